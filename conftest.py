@@ -1,0 +1,16 @@
+"""One shared fixture: a tiny SFT checkpoint, trained once per test session (the only way to get a
+real model that writes valid multi-round trajectories without a model hub)."""
+import pytest
+
+import train
+
+SFT_ARGS = ["--sft-steps", "150", "--sft-batch", "32", "--rl-steps", "0", "--forget-p", "0",
+            "--sft-objectives", "1-2", "--hops", "1-2", "--sft-lr", "3e-3"]
+
+
+@pytest.fixture(scope="session")
+def sft_run(tmp_path_factory):
+    """Folder of a finished SFT-only run: ``final/`` holds model + tokenizer, ``metrics.jsonl`` the curve."""
+    run = tmp_path_factory.mktemp("sft")
+    train.main(["--run", str(run)] + SFT_ARGS)
+    return run

@@ -1,0 +1,306 @@
+"""Tasks, corpora, tokenizer, tiny model and expert trajectories: everything the agent is trained on.
+
+Two sources of data:
+
+* **The embedded default** (no model hub, no GPU): a seeded synthetic world of entities and
+  relations, one short document per fact, a BM25 index over the documents as the search tool,
+  multi-hop questions and MEM1-style *multi-objective* questions (K sub-questions, answers joined
+  by `` ; ``), a word-level tokenizer built from the world's vocabulary, and a tiny randomly
+  initialised ``LlamaForCausalLM``. ALGORITHM.md section 4.
+* **Real data**: a QA file (JSONL or parquet, fields ``question`` and ``golden_answers`` as in
+  Search-R1 / MEM1) and a corpus (JSONL with ``id`` and ``contents``, as wiki-18). A missing file or
+  a malformed line is a ``DataError`` that names the file and the line.
+
+The world (choices of this project):
+
+* Every relation is a random permutation of the world's entities without fixed points, so a
+  document ``kalo friend mira`` has exactly one twin that mentions both ``kalo`` and ``friend``
+  (``lena friend kalo``). BM25 top-3 for the query ``kalo friend`` therefore always holds the answer,
+  and the model must read which entity is the subject.
+* Questions are written in chain order: ``kalo friend boss`` means "the boss of the friend of
+  kalo". An objective of h hops takes h searches.
+* Held-out worlds are new random graphs over the SAME pool of names: a word-level vocabulary gives
+  an unseen name an untrained embedding (a feasibility run scored 0/192 on unseen names).
+* The state that ``<mem>`` must carry never appears in ``<think>`` or ``<search>``: ``<think>`` is one
+  word (``search`` / ``answer``) and the query names only the current entity and relation. With
+  snail-shell context the answers of earlier objectives live nowhere but in ``<mem>``.
+
+The scripted expert writes one ``<mem>`` entry per objective it has touched, ``k : subject relation
+object`` (the newest fact of that objective's chain; for a finished objective the object is its
+answer). Its flaw (``forget_p``): on that fraction of episodes it keeps only the newest objective's
+entry, so earlier answers are lost and it answers ``unknown`` for them. The flaw is decided per
+episode, not per round, so that imitation does not average it away (ALGORITHM.md 4.1: random
+per-fact drops at p = 0.3 left a strong SFT policy).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+RELATIONS = ["friend", "boss", "mother", "rival", "mentor", "neighbor"]
+TAGS = ["<mem>", "</mem>", "<think>", "</think>", "<search>", "</search>", "<access>", "</access>",
+        "<answer>", "</answer>", "<information>", "</information>"]
+CHAT = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+SYSTEM_PROMPT = "answer all . keep findings in mem"
+UNKNOWN = "unknown"
+N_NAMES = 240           # the shared pool of entity names
+N_ENTITIES = 60         # entities in one world
+MAX_DOC_IDS = N_ENTITIES * len(RELATIONS)
+
+
+class DataError(ValueError):
+    """A dataset or corpus file is missing or malformed; the message names the file and line."""
+
+
+# --------------------------------------------------------------------------- the world
+
+def name_pool(n: int = N_NAMES) -> list[str]:
+    """The fixed pool of pronounceable one-token entity names shared by every world."""
+    onsets, vowels = "bdfgklmnprstvz", "aeiou"
+    syllables = [c + v for c in onsets for v in vowels]
+    rng = random.Random(1234)
+    names: list[str] = []
+    seen = set()
+    while len(names) < n:
+        w = "".join(rng.choice(syllables) for _ in range(2))
+        if w not in seen:
+            seen.add(w)
+            names.append(w)
+    return names
+
+
+@dataclass
+class World:
+    """Entities, facts ``(subject, relation) -> object`` and one document per fact."""
+    entities: list[str]
+    facts: dict[tuple[str, str], str]
+    docs: list[dict]     # {"id": "d17", "contents": "kalo friend mira"}
+
+
+def make_world(seed: int, n_entities: int = N_ENTITIES, relations: list[str] = RELATIONS) -> World:
+    """A random world: each relation is a fixed-point-free permutation of ``n_entities`` names."""
+    rng = random.Random(seed)
+    entities = rng.sample(name_pool(), n_entities)
+    facts: dict[tuple[str, str], str] = {}
+    for rel in relations:
+        perm = entities[:]
+        while any(a == b for a, b in zip(entities, perm)):
+            rng.shuffle(perm)
+        for a, b in zip(entities, perm):
+            facts[(a, rel)] = b
+    items = list(facts.items())
+    rng.shuffle(items)
+    docs = [{"id": f"d{i}", "contents": f"{s} {r} {o}"} for i, ((s, r), o) in enumerate(items)]
+    return World(entities, facts, docs)
+
+
+@dataclass
+class Objective:
+    start: str
+    relations: list[str]
+    chain: list[tuple[str, str, str]]    # the facts (s, r, o) the expert finds, in order
+
+    @property
+    def answer(self) -> str:
+        return self.chain[-1][2]
+
+
+@dataclass
+class Task:
+    """One question: K objectives, golds[k] = accepted answers of objective k."""
+    question: str
+    golds: list[list[str]]
+    objectives: list[Objective] = field(default_factory=list)
+
+
+def make_task(world: World, rng: random.Random, n_objectives: int, hops: tuple[int, int] = (1, 3)) -> Task:
+    """A K-objective question; each objective a chain of ``hops[0]..hops[1]`` relations."""
+    objectives = []
+    for _ in range(n_objectives):
+        h = rng.randint(*hops)
+        ent = rng.choice(world.entities)
+        rels = [rng.choice(RELATIONS) for _ in range(h)]
+        chain, cur = [], ent
+        for r in rels:
+            nxt = world.facts[(cur, r)]
+            chain.append((cur, r, nxt))
+            cur = nxt
+        objectives.append(Objective(ent, rels, chain))
+    question = " ".join(f"{k + 1} : {o.start} {' '.join(o.relations)} ?" for k, o in enumerate(objectives))
+    return Task(question, [[o.answer] for o in objectives], objectives)
+
+
+def make_tasks(world_seed: int, n: int, objectives: list[int], hops: tuple[int, int] = (1, 3),
+               seed: int = 0) -> tuple[World, list[Task]]:
+    """A world and ``n`` tasks whose objective counts cycle through ``objectives``."""
+    world = make_world(world_seed)
+    rng = random.Random(seed * 100_003 + world_seed)
+    return world, [make_task(world, rng, objectives[i % len(objectives)], hops) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- the scripted expert
+
+def format_mem(entries: dict[int, tuple[str, str, str]]) -> str:
+    """``<mem>`` body: one ``k : s r o`` entry per objective, in objective order."""
+    return " ; ".join(f"{k + 1} : {s} {r} {o}" for k, (s, r, o) in sorted(entries.items()))
+
+
+def expert_episode(task: Task, forget: bool = False) -> list[tuple[str, tuple[str, str] | None]]:
+    """The expert's rounds: ``(round_text, (entity, relation) searched or None when answering)``.
+
+    Round 1 has no history and writes no ``<mem>``; every later round starts with one. When
+    ``forget`` is set, ``<mem>`` keeps only the newest objective's entry (the systematic flaw).
+    """
+    rounds: list[tuple[str, tuple[str, str] | None]] = []
+    entries: dict[int, tuple[str, str, str]] = {}
+    first = True
+    for k, obj in enumerate(task.objectives):
+        for hop, (s, r, _) in enumerate(obj.chain):
+            mem = "" if first else f"<mem> {format_mem(entries)} </mem> "
+            rounds.append((f"{mem}<think> search </think> <search> {s} {r} </search>", (s, r)))
+            entries[k] = obj.chain[hop]           # learnt from this round's tool result
+            if forget:
+                entries = {k: entries[k]}
+            first = False
+    rounds.append((f"<mem> {format_mem(entries)} </mem> <think> answer </think> "
+                   f"<answer> {answers_from_mem(task, format_mem(entries))} </answer>", None))
+    return rounds
+
+
+def answers_from_mem(task: Task, mem: str) -> str:
+    """What the expert answers from ``<mem>`` alone: objective k's answer if its entry closes the chain, else unknown."""
+    entries = {}
+    for e in mem.split(";"):
+        k, _, fact = e.partition(":")
+        if k.strip().isdigit():
+            entries[int(k) - 1] = fact.strip()
+    return " ; ".join(o.answer if entries.get(k) == " ".join(o.chain[-1]) else UNKNOWN
+                      for k, o in enumerate(task.objectives))
+
+
+# --------------------------------------------------------------------------- tokenizer and model
+
+def world_vocab() -> list[str]:
+    """Every word the embedded world can produce, specials first."""
+    words = ["<pad>", "<unk>"] + CHAT + TAGS + [UNKNOWN, ";", ":", "?", "|", ","] + RELATIONS
+    words += [str(k) for k in range(1, 65)] + [f"d{i}" for i in range(MAX_DOC_IDS)]
+    words += SYSTEM_PROMPT.split() + ["search", "answer", "not", "found"]
+    words += name_pool()
+    seen, out = set(), []
+    for w in words:
+        if w not in seen:
+            seen.add(w)
+            out.append(w)
+    return out
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def build_tokenizer(words: list[str] | None = None):
+    """A word-level ``PreTrainedTokenizerFast`` over ``words`` with tags as added tokens and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AddedToken, PreTrainedTokenizerFast
+    words = words or world_vocab()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                 eos_token="<|end|>")
+    # added tokens split "<mem>kalo" into "<mem>" "kalo" even without a space
+    hf.add_tokens([AddedToken(t, normalized=False) for t in TAGS + CHAT])
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_tiny_model(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 4, seed: int = 0):
+    """A randomly initialised ``LlamaForCausalLM`` over ``tokenizer`` (0.6M parameters at the defaults).
+
+    Llama, not Qwen2: transformers 5 lists ``qwen2`` among the model types whose saved tokenizer class
+    it overrides, so ``AutoTokenizer`` on a Qwen2 checkpoint would load a byte-level BPE tokenizer
+    instead of this word-level one. Qwen2 is Llama plus a qkv bias; the engine does not care.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                      max_position_embeddings=8192, tie_word_embeddings=True,
+                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+# --------------------------------------------------------------------------- real data
+
+def _read_jsonl(path: str) -> list[tuple[int, dict]]:
+    if not os.path.exists(path):
+        raise DataError(f"{path}: file not found")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            rows.append((n, row))
+    return rows
+
+
+def load_qa(path: str) -> list[Task]:
+    """QA file -> tasks. ``golden_answers``: a list of aliases (one objective) or a list of lists (K objectives)."""
+    if path.endswith(".parquet"):
+        if not os.path.exists(path):
+            raise DataError(f"{path}: file not found")
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        rows = list(enumerate(pq.read_table(path).to_pylist(), 1))
+    else:
+        rows = _read_jsonl(path)
+    tasks = []
+    for n, row in rows:
+        q, golds = row.get("question"), row.get("golden_answers")
+        if not isinstance(q, str) or not q.strip():
+            raise DataError(f"{path}:{n}: missing or empty field 'question'")
+        if isinstance(golds, str):
+            golds = [golds]
+        if not isinstance(golds, list) or not golds:
+            raise DataError(f"{path}:{n}: field 'golden_answers' must be a non-empty list")
+        if all(isinstance(g, str) for g in golds):
+            golds = [golds]
+        elif not all(isinstance(g, list) and g and all(isinstance(a, str) for a in g) for g in golds):
+            raise DataError(f"{path}:{n}: 'golden_answers' must be strings or lists of strings")
+        tasks.append(Task(q.strip(), [list(g) for g in golds]))
+    if not tasks:
+        raise DataError(f"{path}: no questions")
+    return tasks
+
+
+def load_corpus(path: str) -> list[dict]:
+    """Corpus JSONL -> ``[{"id", "contents"}]``."""
+    docs = []
+    for n, row in _read_jsonl(path):
+        if "id" not in row or not isinstance(row.get("contents"), str):
+            raise DataError(f"{path}:{n}: each line needs 'id' and a string 'contents'")
+        docs.append({"id": str(row["id"]), "contents": row["contents"]})
+    if not docs:
+        raise DataError(f"{path}: empty corpus")
+    return docs
+
+
+def save_corpus(docs: list[dict], path: str) -> None:
+    """Write a corpus as JSONL (the embedded world is searched through the same file format)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps(d) + "\n")

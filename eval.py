@@ -1,0 +1,285 @@
+"""Evaluation: run the agent greedily on held-out questions and report F1, EM, tokens and turns.
+
+    python eval.py --checkpoint runs/default/final --objectives 1 2 4 6 8 10 --context snail
+    python eval.py --checkpoint PATH --data qa.jsonl --corpus wiki.jsonl --context snail
+
+Per objective count K (MEM1's multi-objective protocol): F1, EM, the fraction of objectives
+matched (score), the format-valid rate, TT (total tokens: every prompt + generated token the
+model processed, summed over the episode's rounds), PT (peak tokens: the longest single-round
+context + output), and mean turns. TT and PT are means over episodes. A table on stdout, then
+one JSON line last.
+
+Held-out sets of the embedded world are new worlds (new fact graphs and questions) over the same
+pool of entity names as training; ``--split valid`` and ``--split test`` are disjoint world seeds:
+pick settings on ``valid``, report on ``test``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+import data
+from reward import outcome_reward
+from rollout import AgentConfig, SearchTool, load_model, pick_device, rollout
+
+SPLIT_SEEDS = {"valid": 10_000, "test": 20_000}
+AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
+
+
+# --------------------------------------------------------------------------- memory diagnostics
+
+def mem_facts(mem: str) -> list[str]:
+    """``1 : s r o ; 2 : s r o`` -> ``["s r o", "s r o"]`` (the entry's words after an optional ``k :``)."""
+    out = []
+    for entry in mem.split(";"):
+        words = entry.split()
+        if len(words) >= 2 and words[1] == ":":
+            words = words[2:]
+        if words:
+            out.append(" ".join(words))
+    return out
+
+
+def memory_diagnostics(trajs: list, tasks: list) -> dict:
+    """Retention, faithfulness and turn drift of ``<mem>``, measurable because the world's facts are known.
+
+    At round t (t >= 2) a gold chain fact is *retrieved* once some earlier tool result contains it, and
+    *still needed* while it is an objective's final fact (its answer) or the newest retrieved fact of an
+    unfinished chain. Retention = fraction of retrieved, still-needed facts present in ``<mem>``, by how
+    many rounds ago the fact was first retrieved. Faithfulness = fraction of ``<mem>`` facts that appear
+    in some earlier tool result (an invented fact is reward hacking).
+    """
+    from memory import extract_mem
+    kept = {b: [0, 0] for b in AGO_BUCKETS}
+    drift = {"rounds 2-8": [0, 0], "rounds 9-64": [0, 0]}
+    faithful = [0, 0]
+    for traj in trajs:
+        task = tasks[traj.group_id]
+        tools = [r.text for r in traj.records if r.type in ("search_results", "webpage")]
+        first_seen: dict[str, int] = {}
+        for t, rnd in enumerate(traj.rounds):
+            if t >= 1:
+                mem = extract_mem(rnd.text)
+                facts = mem_facts(mem) if mem is not None else []
+                seen_text = " | ".join(tools[:t])
+                faithful[0] += sum(f in seen_text for f in facts)
+                faithful[1] += len(facts)
+                mem_text = " ; ".join(facts)
+                for obj in task.objectives:
+                    chain = [" ".join(f) for f in obj.chain]
+                    got = [c for c in chain if c in first_seen]
+                    if not got:
+                        continue
+                    needed = {chain[-1]} if chain[-1] in first_seen else {got[-1]}
+                    for c in needed:
+                        ago = t - first_seen[c]
+                        hit = int(c in mem_text)
+                        for b in AGO_BUCKETS:
+                            if b[0] <= ago <= b[1]:
+                                kept[b][0] += hit
+                                kept[b][1] += 1
+                        d = drift["rounds 2-8" if t < 8 else "rounds 9-64"]
+                        d[0] += hit
+                        d[1] += 1
+            if t < len(tools):
+                for obj in task.objectives:
+                    for f in obj.chain:
+                        c = " ".join(f)
+                        if c in tools[t] and c not in first_seen:
+                            first_seen[c] = t            # retrieved by round t: 1 round ago at t + 1
+    ratio = lambda a: a[0] / a[1] if a[1] else float("nan")
+    return {"retention": ratio([sum(v[0] for v in kept.values()), sum(v[1] for v in kept.values())]),
+            "retention_by_ago": {f"{a}-{b}": ratio(v) for (a, b), v in kept.items()},
+            "retention_drift": {k: ratio(v) for k, v in drift.items()},
+            "faithfulness": ratio(faithful), "mem_facts": faithful[1]}
+
+
+def p_by_round(model, tokenizer, trajs: list, threshold: float = 0.5) -> dict:
+    """Mean P_full and P_mem by round index on (eval) trajectories: where does memory carry the answer?"""
+    from reward import memory_rewards
+    m = memory_rewards(model, tokenizer, trajs, threshold=threshold)
+    rows: dict[str, list] = {}
+    k = 0
+    for rounds in m["rounds"]:
+        for t in rounds:
+            key = str(t + 1) if t < 8 else "9+"
+            rows.setdefault(key, []).append((m["p_full"][k], m["p_mem"][k]))
+            k += 1
+    return {key: {"p_full": sum(a for a, _ in v) / len(v), "p_mem": sum(b for _, b in v) / len(v), "n": len(v)}
+            for key, v in sorted(rows.items(), key=lambda kv: (len(kv[0]), kv[0]))}
+
+
+def run_episodes(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
+                 progress: bool = False) -> list:
+    """One rollout per task (greedy when ``agent.temperature == 0``), in task order."""
+    trajs = []
+    for i in range(0, len(tasks), batch):
+        part = rollout(model, tokenizer, tasks[i:i + batch], 1, tool, agent, progress=progress)
+        for t in part:
+            t.group_id += i                      # index into ``tasks``
+        trajs += part
+    return trajs
+
+
+def summarize(trajs: list) -> dict:
+    """Mean F1, EM, score, format-valid rate, TT, PT and turns over trajectories."""
+    rows = []
+    for t in trajs:
+        o = outcome_reward(t)
+        rows.append({"f1": o["f1"], "em": o["em"], "score": o["score"], "valid": float(o["valid"]),
+                     "tt": sum(r.n_tokens for r in t.rounds),
+                     "pt": max((r.n_tokens for r in t.rounds), default=0), "turns": len(t.rounds)})
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} | {"n": len(rows)}
+
+
+def evaluate(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
+             progress: bool = False) -> dict:
+    """Rollouts of ``tasks`` -> mean metrics."""
+    return summarize(run_episodes(model, tokenizer, tasks, tool, agent, batch, progress))
+
+
+def embedded_tasks(k: int, n: int, seed: int = 0, split: str = "test", hops: tuple[int, int] = (1, 3)):
+    """``n`` held-out K-objective tasks of the embedded world and their search tool."""
+    world = data.make_world(SPLIT_SEEDS[split] + 100 * seed + k)
+    rng = random.Random(SPLIT_SEEDS[split] * 7 + 100 * seed + k)
+    return [data.make_task(world, rng, k, hops) for _ in range(n)], SearchTool(world.docs)
+
+
+def evaluate_embedded(model, tokenizer, ks: list[int], n: int, seed: int = 0, split: str = "valid",
+                      context: str = "snail", max_turns: int = 64, hops: tuple[int, int] = (1, 3),
+                      max_new_tokens: int = 128, progress: bool = False) -> dict[int, dict]:
+    """Metrics per objective count K on held-out embedded worlds."""
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=context, max_turns=max_turns,
+                        max_new_tokens=max_new_tokens, temperature=0.0)
+    out = {}
+    for k in ks:
+        tasks, tool = embedded_tasks(k, n, seed, split, hops)
+        out[k] = evaluate(model, tokenizer, tasks, tool, agent, progress=progress)
+    return out
+
+
+def print_table(results: dict, title: str = "") -> None:
+    cols = ["f1", "em", "score", "valid", "tt", "pt", "turns", "n"]
+    if title:
+        print(title)
+    print("K    " + " ".join(f"{c:>8}" for c in cols))
+    for k, r in results.items():
+        print(f"{k:<4} " + " ".join(f"{r[c]:8.3f}" if isinstance(r[c], float) else f"{r[c]:8d}" for c in cols))
+
+
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval (0 for one value)."""
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+    return m, T95.get(len(xs) - 1, 1.96) * sd / len(xs) ** 0.5
+
+
+def checkpoint_dir(path: str) -> str:
+    """A run folder (with ``final/``) or a checkpoint folder."""
+    import os
+    return os.path.join(path, "final") if os.path.isdir(os.path.join(path, "final")) else path
+
+
+def load(path: str, device):
+    from transformers import AutoTokenizer
+    path = checkpoint_dir(path)
+    return load_model(path, device).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, context: str,
+            max_turns: int, hops: tuple[int, int], device) -> dict:
+    """Per variant (a list of runs, one per seed) and K: mean and 95% interval of each metric."""
+    out: dict = {}
+    for name, runs in variants.items():
+        per_run = []
+        for run in runs:
+            model, tok = load(run, device)
+            per_run.append(evaluate_embedded(model, tok, ks, n, 0, split, context, max_turns, hops))
+        out[name] = {k: {m: mean_ci([r[k][m] for r in per_run]) for m in ("f1", "em", "valid", "tt", "pt", "turns")}
+                     for k in ks}
+    for k in ks:
+        print(f"\nK = {k}  ({split} worlds, {n} questions, context={context}, mean +- 95% CI over seeds)")
+        print(f"{'variant':<24}" + "".join(f"{m:>16}" for m in ("f1", "em", "valid", "tt", "pt", "turns")))
+        for name in variants:
+            print(f"{name:<24}" + "".join(f"{out[name][k][m][0]:9.3f} +-{out[name][k][m][1]:5.3f}"
+                                          for m in ("f1", "em", "valid", "tt", "pt", "turns")))
+    return out
+
+
+def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int, hops: tuple[int, int]) -> dict:
+    """Memory diagnostics (retention by rounds-ago, faithfulness, drift) and P_full / P_mem by round."""
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context="snail", max_turns=max_turns,
+                        max_new_tokens=128, temperature=0.0)
+    out = {}
+    for k in ks:
+        tasks, tool = embedded_tasks(k, n, 0, split, hops)
+        trajs = run_episodes(model, tokenizer, tasks, tool, agent)
+        out[k] = memory_diagnostics(trajs, tasks) | {"p_by_round": p_by_round(model, tokenizer, trajs)}
+        d = out[k]
+        print(f"K={k}: retention {d['retention']:.3f}  faithfulness {d['faithfulness']:.3f}  "
+              f"by rounds-ago {json.dumps({a: round(v, 3) for a, v in d['retention_by_ago'].items()})}  "
+              f"drift {json.dumps({a: round(v, 3) for a, v in d['retention_drift'].items()})}")
+        print("      P_full / P_mem by round: " + "  ".join(
+            f"{r}: {v['p_full']:.2f}/{v['p_mem']:.2f}" for r, v in d["p_by_round"].items()))
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Evaluate MemPO checkpoints.")
+    p.add_argument("--checkpoint", help="run folder or checkpoint folder saved by train.py (e.g. runs/default)")
+    p.add_argument("--compare", nargs="+", metavar="NAME=RUN[,RUN...]",
+                   help="side-by-side variants, each a comma-separated list of runs (one per seed)")
+    p.add_argument("--objectives", type=int, nargs="+", default=[1, 2, 4, 6, 8, 10], help="objective counts K")
+    p.add_argument("--context", default="snail", choices=["snail", "full"], help="context mode")
+    p.add_argument("--max-turns", type=int, default=64, help="max rounds per episode")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="max tokens per round")
+    p.add_argument("--tasks", type=int, default=64, help="questions per K (embedded world)")
+    p.add_argument("--split", default="test", choices=list(SPLIT_SEEDS), help="held-out world seeds")
+    p.add_argument("--seed", type=int, default=0, help="which held-out worlds")
+    p.add_argument("--hops", default="1-3", help="hops per objective, e.g. 1-3")
+    p.add_argument("--diagnostics", action="store_true", help="also print memory retention / faithfulness / P by round")
+    p.add_argument("--data", default="", help="QA file (JSONL/parquet) instead of the embedded world")
+    p.add_argument("--corpus", default="", help="corpus JSONL for --data")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    args = p.parse_args(argv)
+    device = pick_device(args.device)
+    a, b = (int(x) for x in args.hops.split("-"))
+    if args.compare:
+        variants = dict(v.split("=", 1) for v in args.compare)
+        res = compare({k: v.split(",") for k, v in variants.items()}, args.objectives, args.tasks, args.split,
+                      args.context, args.max_turns, (a, b), device)
+        print(json.dumps({"compare": {n: {str(k): v for k, v in r.items()} for n, r in res.items()},
+                          "split": args.split, "context": args.context}))
+        return
+    if not args.checkpoint:
+        p.error("give --checkpoint or --compare")
+    model, tokenizer = load(args.checkpoint, device)
+    if args.data:
+        if not args.corpus:
+            raise SystemExit("--data needs --corpus")
+        tasks, tool = data.load_qa(args.data), SearchTool(data.load_corpus(args.corpus))
+        agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=args.context, max_turns=args.max_turns,
+                            max_new_tokens=args.max_new_tokens, temperature=0.0)
+        results = {"all": evaluate(model, tokenizer, tasks, tool, agent, progress=True)}
+    else:
+        results = evaluate_embedded(model, tokenizer, args.objectives, args.tasks, args.seed, args.split,
+                                    args.context, args.max_turns, (a, b), args.max_new_tokens, progress=True)
+    print_table(results, f"{args.checkpoint}  context={args.context}  max_turns={args.max_turns}")
+    out = {"checkpoint": args.checkpoint, "context": args.context, "max_turns": args.max_turns,
+           "results": {str(k): v for k, v in results.items()}}
+    if args.diagnostics and not args.data:
+        out["diagnostics"] = {str(k): v for k, v in diagnose(model, tokenizer, args.objectives, args.tasks,
+                                                             args.split, args.max_turns, (a, b)).items()}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Rewards: the outcome score of a trajectory and MemPO's memory reward for each ``<mem>``.
+
+**Outcome reward** (ALGORITHM.md 1.2-1.3). A trajectory that breaks any format rule
+(``validate_format``) scores 0; otherwise its ``<answer>`` is compared with the gold after
+SQuAD-style normalisation (lowercase, strip punctuation and the articles a / an / the, collapse
+whitespace). A K-objective answer ``a1 ; a2 ; ... ; aK`` is split on ``;`` and part k is compared
+with objective k's aliases:
+
+    score = (# objectives matched exactly) / K      em = 1 iff all K match      f1 = mean word F1
+
+**Memory reward** (ALGORITHM.md 1.5, the "extra forward pass" A1 of the seed). For every
+trajectory i and every round t >= 2 that wrote a ``<mem>`` span:
+
+    full_traj[i,t] = the exact context the model saw before round t (the original's deepcopy of
+                     raw_input_ids: earlier rounds and tool results; no forced prefix)
+    mem_traj[i,t]  = initial prompt (system + question) + round t cut right after </mem>
+    answer         = "<think> answer </think> <answer> g1 ; ... ; gK </answer>",
+                     ans_mask = 1 on the gold tokens only
+
+All 2N (context, answer) pairs go through ONE batched no-grad forward pass; logp = log p of each
+answer token. Then, with mask = ans_mask & (logp > log thr) on each side,
+
+    P        = exp(mean(logp over mask))      geometric-mean probability of confident gold tokens
+    mem_reward[i,t] = P_mem - P_full
+
+The seed's A1 steps: (1) rollout records full_traj and the round's <mem> span for rounds >= 2;
+(2) build mem_traj; (3) concatenate [full_1..full_N, mem_1..mem_N] with the answer repeated
+twice; (4) one compute_log_prob call; (5) split it into full_logp = [:N], mem_logp = [N:];
+(6) threshold masks, P, P_mem - P_full; the rewards are then pooled and normalised in grpo.py.
+
+Choices (the paper and the seed do not fix these):
+* validate_format checks rounds in order and, within a round, rules 1..8 in number order; the
+  first broken rule is reported. Rule 6 is checked per round: a round before the last that
+  answers, or a last round that does not, breaks it; no rounds at all breaks it too. Tag
+  names are case-sensitive; an empty <mem> or <think> body is allowed; text inside a tag body
+  is free (a stray "<" there is fine), text between tags must be whitespace.
+* K objectives: score = fraction matched (ALGORITHM.md default); a missing part is "", extra
+  parts are ignored; an objective with no aliases never matches. Word F1 follows SQuAD v2
+  (both sides empty after normalisation -> 1). K = 0 scores 0.
+* The answer template uses the FIRST alias of each objective and ``think="answer"`` (what the
+  embedded expert writes); every piece is encoded on its own with a leading space and the ids
+  are concatenated, so ans_mask is exact for word-level and BPE tokenizers alike (a BPE
+  tokenizer may split the joined string differently; the template is ours to define).
+* An empty mask gives P = 0, never NaN. ``threshold`` <= 0 keeps every gold token.
+* ``mask_mode="full"`` (an option, not in the paper): both P average over the gold tokens the
+  FULL context is confident on, so a memory that lost an objective's answer is penalised
+  instead of having those tokens silently dropped from its own mean (with "separate", the
+  seed's rule, a memory that keeps one of two answers can score as high as a complete one).
+* Micro-batches: rows are sorted by length and split only when rows * padded length would
+  exceed ``token_budget``; only the last max_answer_len + 1 positions are projected to logits.
+  Results come back on the CPU in input order. The caller chooses the model's mode (eval).
+"""
+from __future__ import annotations
+
+import math
+import re
+import string
+from collections import Counter
+
+import torch
+from torch import Tensor
+
+from memory import extract_mem, mem_traj
+from rollout import Trajectory, left_pad
+
+PUNCT = set(string.punctuation)
+TAG_RE = re.compile(r"<(/?)(mem|think|search|access|answer|information)>")
+ACTIONS = ("search", "access", "answer")
+
+
+# --------------------------------------------------------------------------- answer matching
+
+def normalize_answer(s: str) -> str:
+    """SQuAD normalisation: lowercase, drop punctuation and articles, collapse whitespace."""
+    s = "".join(ch for ch in s.lower() if ch not in PUNCT)
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def em_score(pred: str, golds: list[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised alias, else 0.0."""
+    p = normalize_answer(pred)
+    return float(any(p == normalize_answer(g) for g in golds))
+
+
+def _f1(pred: str, gold: str) -> float:
+    p, g = normalize_answer(pred).split(), normalize_answer(gold).split()
+    if not p or not g:
+        return float(p == g)
+    common = sum((Counter(p) & Counter(g)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(p), common / len(g)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(pred: str, golds: list[str]) -> float:
+    """Word-level F1 of the prediction, max over aliases (0.0 with no aliases)."""
+    return max((_f1(pred, g) for g in golds), default=0.0)
+
+
+def score_answer(pred: str | None, golds: list[list[str]]) -> dict:
+    """K-objective answer ``a1 ; ... ; aK`` vs golds[k] (aliases) -> {"score", "em", "f1"}."""
+    if pred is None or not golds:
+        return {"score": 0.0, "em": 0.0, "f1": 0.0}
+    parts = [p.strip() for p in pred.split(";")]
+    parts += [""] * (len(golds) - len(parts))
+    ems = [em_score(p, g) for p, g in zip(parts, golds)]
+    f1s = [f1_score(p, g) for p, g in zip(parts, golds)]
+    return {"score": sum(ems) / len(golds), "em": float(all(ems)), "f1": sum(f1s) / len(golds)}
+
+
+# --------------------------------------------------------------------------- format
+
+def _check_round(text: str, t: int, last: bool, require_mem_from: int) -> str | None:
+    """The first broken rule of round t (0-based) as "rule N: why", or None."""
+    spans: list[tuple[str, str]] = []      # (tag, body) in order of appearance
+    outside: list[str] = []
+    open_tag, open_end, pos = None, 0, 0
+    for m in TAG_RE.finditer(text):
+        closing, name = m.group(1) == "/", m.group(2)
+        if open_tag is None:
+            if closing:
+                return f"rule 1: </{name}> closes nothing"
+            outside.append(text[pos:m.start()])
+            open_tag, open_end = name, m.end()
+        elif not closing:
+            return f"rule 1: <{name}> opened inside <{open_tag}>"
+        elif name != open_tag:
+            return f"rule 1: </{name}> closes <{open_tag}>"
+        else:
+            spans.append((name, text[open_end:m.start()]))
+            open_tag, pos = None, m.end()
+    if open_tag is not None:
+        return f"rule 1: <{open_tag}> is never closed"
+    outside.append(text[pos:])
+
+    kinds = [k for k, _ in spans if k != "information"]
+    actions = [k for k in kinds if k in ACTIONS]
+    if kinds.count("mem") > 1 or kinds.count("think") != 1 or len(actions) != 1:
+        return (f"rule 2: {kinds.count('mem')} <mem>, {kinds.count('think')} <think>, "
+                f"{len(actions)} actions")
+    expected = (["mem"] if "mem" in kinds else []) + ["think", actions[0]]
+    if kinds != expected:
+        return f"rule 3: order {kinds}, expected {expected}"
+    if any(k == "information" for k, _ in spans):
+        return "rule 4: <information> written by the model"
+    stray = [s.strip() for s in outside if s.strip()]
+    if stray:
+        return f"rule 5: text outside tags: {stray[0][:40]!r}"
+    if last and actions[0] != "answer":
+        return f"rule 6: the last round ends with <{actions[0]}>, not <answer>"
+    if not last and actions[0] == "answer":
+        return "rule 6: answers before the last round"
+    if not next(body for k, body in spans if k == actions[0]).strip():
+        return f"rule 7: empty <{actions[0]}>"
+    if t + 1 >= require_mem_from and "mem" not in kinds:
+        return "rule 8: no <mem>"
+    return None
+
+
+def validate_format(rounds: list[str], require_mem_from: int = 2) -> tuple[bool, str]:
+    """(True, "ok") or (False, "rule N: why") for the first broken rule; rounds[t] = round t+1's text."""
+    if not rounds:
+        return False, "rule 6: no rounds, so no <answer>"
+    for t, text in enumerate(rounds):
+        why = _check_round(str(text), t, t == len(rounds) - 1, require_mem_from)
+        if why is not None:
+            return False, f"{why} (round {t + 1})"
+    return True, "ok"
+
+
+def outcome_reward(traj: Trajectory) -> dict:
+    """Format check + answer score -> {"score", "em", "f1", "valid", "reason"}; invalid scores 0."""
+    valid, reason = validate_format([r.text for r in traj.rounds])
+    scores = score_answer(traj.answer if valid else None, traj.golds)
+    return {**scores, "valid": valid, "reason": reason}
+
+
+# --------------------------------------------------------------------------- memory reward
+
+def answer_template(tokenizer, golds: list[list[str]], think: str = "answer") -> tuple[list[int], list[int]]:
+    """``<think> {think} </think> <answer> g1 ; g2 </answer>`` -> (ids, ans_mask), 1 on gold tokens only."""
+    pieces: list[tuple[str, int]] = [("<think>", 0), (think, 0), ("</think>", 0), ("<answer>", 0)]
+    for k, aliases in enumerate(golds):
+        if k:
+            pieces.append((";", 0))
+        pieces.append((aliases[0] if aliases else "", 1))
+    pieces.append(("</answer>", 0))
+    ids: list[int] = []
+    mask: list[int] = []
+    for piece, is_gold in pieces:
+        piece_ids = tokenizer.encode(" " + piece, add_special_tokens=False) if piece else []
+        ids += piece_ids
+        mask += [is_gold] * len(piece_ids)
+    return ids, mask
+
+
+@torch.no_grad()
+def answer_logprobs(model, contexts: list[list[int]], answers: list[list[int]], pad_id: int,
+                    token_budget: int = 65536) -> list[Tensor]:
+    """log p(answer[i][j] | context[i] + answer[i][:j]) -> one (len(answers[i]),) float32 tensor per row."""
+    if any(not c for c in contexts):
+        raise ValueError("every context needs at least one token")
+    seqs = [list(c) + list(a) for c, a in zip(contexts, answers)]
+    out: list[Tensor] = [torch.zeros(len(a)) for a in answers]
+    # shortest first, so each micro-batch pads little; split only when the budget is exceeded
+    batches: list[list[int]] = [[]]
+    for i in sorted(range(len(seqs)), key=lambda i: len(seqs[i])):
+        if batches[-1] and (len(batches[-1]) + 1) * len(seqs[i]) > token_budget:
+            batches.append([])
+        batches[-1].append(i)
+    device = next(model.parameters()).device
+    for rows in batches:
+        lens = [len(answers[i]) for i in rows]
+        A = max(lens, default=0)
+        if A == 0:
+            continue
+        ids, attn = left_pad([seqs[i] for i in rows], pad_id, device)              # (b, L)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                       logits_to_keep=A + 1).logits[:, :A].float()                 # (b, A, V)
+        # answers right-aligned: column j predicts token j of a row whose answer has A tokens
+        target = torch.zeros((len(rows), A), dtype=torch.long)
+        for b, i in enumerate(rows):
+            target[b, A - lens[b]:] = torch.tensor(answers[i], dtype=torch.long)
+        logp = logits.log_softmax(-1).gather(-1, target.to(device)[..., None]).squeeze(-1).cpu()
+        for b, i in enumerate(rows):
+            out[i] = logp[b, A - lens[b]:]
+    return out
+
+
+def answer_prob(logp: Tensor, ans_mask: Tensor, threshold: float = 0.5,
+                conf_mask: Tensor | None = None) -> Tensor:
+    """P = exp(mean logp over ans_mask & confident) per row; logp, masks (B, A) -> (B,); empty -> 0."""
+    if conf_mask is None:
+        conf_mask = logp > (math.log(threshold) if threshold > 0 else -math.inf)
+    mask = ans_mask.bool() & conf_mask.bool()                                      # (B, A)
+    n = mask.sum(-1)
+    mean = torch.where(mask, logp, torch.zeros_like(logp)).sum(-1) / n.clamp(min=1)
+    return torch.where(n > 0, mean.exp(), torch.zeros_like(mean))
+
+
+def mem_grounded(mem: str, sources: list[str]) -> bool:
+    """True when every word of a ``<mem>`` body occurs in the question or an earlier tool result.
+
+    The faithfulness gate: a memory that invents words (e.g. a fake fact carrying the answer)
+    earns no positive memory credit. Digits and punctuation (entry numbers, separators) are free.
+    """
+    seen = set(normalize_answer(" ".join(sources)).split())
+    words = [w for w in normalize_answer(mem).split() if not w.isdigit()]
+    return all(w in seen for w in words)
+
+
+def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float = 0.5,
+                   mask_mode: str = "separate", think: str = "answer",
+                   token_budget: int = 65536, gate: bool = False) -> dict:
+    """mem_reward = P_mem - P_full for every round >= 2 with a <mem> span, all 2N pairs in one pass.
+
+    ``gate``: a memory that is not ``mem_grounded`` in the question and earlier tool results gets
+    ``min(mem_reward, 0)`` (no credit for invented facts; ALGORITHM.md 4.2).
+    """
+    if mask_mode not in ("separate", "full"):
+        raise ValueError(f"unknown mask_mode {mask_mode!r}")
+    scored = [(i, t) for i, tr in enumerate(trajs) for t, r in enumerate(tr.rounds)
+              if t >= 1 and r.mem_end > 0]
+    out = {"rewards": [[] for _ in trajs], "rounds": [[] for _ in trajs], "p_mem": [],
+           "p_full": [], "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "n": len(scored), "ungrounded": 0}
+    if not scored:
+        return out
+    templates = {i: answer_template(tokenizer, trajs[i].golds, think) for i, _ in scored}
+    full_traj = [trajs[i].rounds[t].context_ids for i, t in scored]
+    mem_trajs = [mem_traj(trajs[i].prompt_ids, trajs[i].rounds[t].round_ids, trajs[i].rounds[t].mem_end)
+                 for i, t in scored]
+    answers = [templates[i][0] for i, _ in scored]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    logps = answer_logprobs(model, full_traj + mem_trajs, answers + answers, pad_id, token_budget)
+
+    N, A = len(scored), max(len(a) for a in answers)
+    logp = torch.zeros(2 * N, A)                                                   # (2N, A)
+    ans_mask = torch.zeros(N, A, dtype=torch.bool)                                 # (N, A)
+    for r, lp in enumerate(logps):
+        logp[r, :len(lp)] = lp
+    for r, (i, _) in enumerate(scored):
+        ans_mask[r, :len(templates[i][1])] = torch.tensor(templates[i][1], dtype=torch.bool)
+    logp_full, logp_mem = logp[:N], logp[N:]
+    log_thr = math.log(threshold) if threshold > 0 else -math.inf
+    conf_full = logp_full > log_thr
+    conf_mem = conf_full if mask_mode == "full" else logp_mem > log_thr
+    p_full = answer_prob(logp_full, ans_mask, conf_mask=conf_full)
+    p_mem = answer_prob(logp_mem, ans_mask, conf_mask=conf_mem)
+    n_full, n_mem = (ans_mask & conf_full).sum(-1), (ans_mask & conf_mem).sum(-1)
+
+    out["ungrounded"] = 0
+    for r, (i, t) in enumerate(scored):
+        reward = float(p_mem[r] - p_full[r])
+        if gate:
+            tr = trajs[i]
+            tools = [rec.text for rec in tr.records if rec.type in ("search_results", "webpage")][:t]
+            if not mem_grounded(extract_mem(tr.rounds[t].text) or "", [tr.question] + tools):
+                reward = min(reward, 0.0)
+                out["ungrounded"] += 1
+        out["rewards"][i].append(reward)
+        out["rounds"][i].append(t)
+    out["p_mem"], out["p_full"] = p_mem.tolist(), p_full.tolist()
+    out["mask_mem"], out["mask_full"] = n_mem.tolist(), n_full.tolist()
+    out["empty_frac"] = float(((n_full == 0) | (n_mem == 0)).float().mean())
+    return out

@@ -1,0 +1,274 @@
+"""Rollouts: a batched KV-cache sampling engine, the search / access tools, and the MemPO agent loop.
+
+Engine (``generate``): token ids in, sampled ids out; it knows nothing of tags. Prompts are left
+padded and prefilled in one forward; position ids come from the attention mask so padding does
+not shift them; each decode step feeds one token per live row; a row that hits EOS or a stop
+sequence leaves the batch (its KV cache rows are dropped), so no finished row keeps decoding.
+Greedy output equals ``model.generate`` token for token (``test_rollout.py``).
+
+Agent loop (``rollout``): per round, for every live trajectory,
+
+    messages = memory.prepare_prompt(records)      # snail: question + last round; full: everything
+    context  = chat_template(messages) + forced "<mem>" prefix (rounds >= 2, option)
+    output   = generate(context)                   # stops at </search>, </access>, </answer>, EOS
+    tool     = BM25 search (top-k docs) | access (one whole document) | answer -> done
+
+and records everything the memory reward and the update need: the exact context ids the model saw
+(``full_traj``), the forced prefix, the sampled ids, and how many leading tokens form the
+``<mem>...</mem>`` span. Every round is one training sample ``context + prefix + output`` with
+loss mask 1 on ``output`` only: in ``full`` mode this equals the original's one growing sequence
+(same tokens, same conditioning), computed per round for simplicity.
+
+Choices: a round that does not end in an action tag (EOS, max tokens) ends its trajectory, which
+the format check then scores 0; tool output is a whole chunk of the next prompt, never fed token
+by token; CUDA uses bf16 and flash-attention-2 when ``flash_attn`` imports, else SDPA.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from rank_bm25 import BM25Okapi
+
+from memory import Record, mem_token_end, prepare_prompt, tool_record
+
+ACTION_RE = re.compile(r"<(search|access|answer)>(.*?)</\1>\s*$", re.S)
+STOP_STRINGS = ("</search>", "</access>", "</answer>")
+
+
+# --------------------------------------------------------------------------- device and model
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``cuda`` when there is one (or asked for), else ``cpu``."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def load_model(path: str, device: torch.device):
+    """A HF causal LM for this device: bf16 + flash-attention-2 (when installed) on CUDA, fp32 + SDPA on CPU."""
+    from transformers import AutoModelForCausalLM
+    attn = "sdpa"
+    dtype = torch.float32
+    if device.type == "cuda":
+        dtype = torch.bfloat16
+        try:
+            import flash_attn  # noqa: F401
+            attn = "flash_attention_2"
+        except ImportError:
+            pass
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
+
+
+# --------------------------------------------------------------------------- the engine
+
+def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists -> ``(ids, attention_mask)``, both (B, L)."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, L - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids; temperature 0 is greedy."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p      # always keeps the top token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
+             eos_id: int | None = None, stop_seqs: list[list[int]] = (), temperature: float = 1.0,
+             top_p: float = 1.0, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Sample continuations of ``prompts`` with a KV cache; each output ends at EOS / a stop sequence (kept)."""
+    from transformers import DynamicCache
+    device = model.device
+    ids, attn = left_pad(prompts, pad_id, device)                   # (B, L)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]   # (B, V)
+    last_pos = pos[:, -1]
+    stop_last = {s[-1] for s in stop_seqs if s}
+    if eos_id is not None:
+        stop_last.add(eos_id)
+    stop_last_t = torch.tensor(sorted(stop_last), dtype=torch.long, device=device)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    rows = list(range(len(prompts)))                                 # live row -> prompt index
+    for _ in range(max_new_tokens):
+        tok = sample_next(logits, temperature, top_p, generator)    # (b,)
+        hit = torch.isin(tok, stop_last_t).tolist()
+        done = []
+        for j, t in enumerate(tok.tolist()):
+            out = outputs[rows[j]]
+            out.append(t)
+            if hit[j] and (t == eos_id or any(out[-len(s):] == s for s in stop_seqs)):
+                done.append(j)
+        if done:
+            keep = [j for j in range(len(rows)) if j not in set(done)]
+            if not keep:
+                break
+            keep_t = torch.tensor(keep, device=device)
+            cache.batch_select_indices(keep_t)
+            attn, tok, last_pos = attn[keep_t], tok[keep_t], last_pos[keep_t]
+            rows = [rows[j] for j in keep]
+        attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
+        last_pos = last_pos + 1
+        logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=last_pos[:, None],
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+    return outputs
+
+
+# --------------------------------------------------------------------------- tools
+
+def bm25_tokens(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+class SearchTool:
+    """BM25 (``rank-bm25``) over a corpus of ``{"id", "contents"}``: ``search`` top-k, ``access`` one document."""
+
+    def __init__(self, docs: list[dict], top_k: int = 3):
+        self.docs, self.top_k = docs, top_k
+        self.by_id = {d["id"]: d for d in docs}
+        self.bm25 = BM25Okapi([bm25_tokens(d["contents"]) for d in docs])
+
+    def search(self, query: str) -> str:
+        scores = self.bm25.get_scores(bm25_tokens(query))
+        top = sorted(range(len(self.docs)), key=lambda i: -scores[i])[: self.top_k]
+        body = " | ".join(f"{self.docs[i]['id']} {self.docs[i]['contents']}" for i in top)
+        return f"<information> {body} </information>"
+
+    def access(self, doc_id: str) -> str:
+        d = self.by_id.get(doc_id.strip())
+        body = f"{d['id']} {d['contents']}" if d else "not found"
+        return f"<information> {body} </information>"
+
+
+# --------------------------------------------------------------------------- the agent loop
+
+@dataclass
+class Round:
+    """One LLM generation: what it saw (``context_ids`` = full_traj), the forced prefix, what it sampled."""
+    context_ids: list[int]
+    prefix_ids: list[int]
+    output_ids: list[int]
+    text: str                 # the round as written: prefix + decoded output
+    mem_end: int              # leading tokens of prefix_ids + output_ids up to </mem>; 0 = no span
+    action: str | None        # "search" | "access" | "answer" | None (malformed)
+
+    @property
+    def round_ids(self) -> list[int]:
+        return self.prefix_ids + self.output_ids
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.context_ids) + len(self.prefix_ids) + len(self.output_ids)
+
+
+@dataclass
+class Trajectory:
+    """One rollout of one question."""
+    question: str
+    golds: list[list[str]]
+    group_id: int
+    prompt_ids: list[int]                 # system + question + generation prompt (for mem_traj)
+    records: list[Record]
+    rounds: list[Round] = field(default_factory=list)
+    answer: str | None = None             # body of <answer>, None if it never answered
+    done: bool = False
+
+
+@dataclass
+class AgentConfig:
+    system_prompt: str
+    context: str = "snail"       # "snail" | "full"
+    keep_rounds: int = 1
+    max_turns: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    mem_prefix: bool = True      # force "<mem>" at the start of rounds >= 2
+    webpage_chars: int = 100
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat messages -> ids with the assistant turn opened."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stop_sequences(tokenizer) -> list[list[int]]:
+    """Token ids of the action closing tags (and their space-prefixed variants for BPE vocabularies)."""
+    seqs = []
+    for s in STOP_STRINGS:
+        for v in (s, " " + s):
+            ids = tokenizer.encode(v, add_special_tokens=False)
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs
+
+
+def parse_action(text: str) -> tuple[str | None, str]:
+    """The action that ends a round's text -> ``(kind, body)``; ``(None, "")`` when it ends in none."""
+    m = ACTION_RE.search(text)
+    return (m.group(1), m.group(2).strip()) if m else (None, "")
+
+
+def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cfg: AgentConfig,
+            generator: torch.Generator | None = None, progress: bool = False) -> list[Trajectory]:
+    """Run ``group_size`` trajectories per task through the multi-turn loop; returns them in task order."""
+    keep = None if cfg.context == "full" else cfg.keep_rounds
+    prefix_ids = tokenizer.encode("<mem>", add_special_tokens=False) if cfg.mem_prefix else []
+    stops = stop_sequences(tokenizer)
+    trajs = []
+    for gid, task in enumerate(tasks):
+        records = [Record("prompt", task.question)]
+        prompt_ids = encode_chat(tokenizer, prepare_prompt(records, cfg.system_prompt, keep))
+        for _ in range(group_size):
+            trajs.append(Trajectory(task.question, task.golds, gid, prompt_ids, list(records)))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.max_turns, desc="rounds", leave=False)
+    for turn in range(cfg.max_turns):
+        live = [t for t in trajs if not t.done]
+        if not live:
+            break
+        contexts, prefixes = [], []
+        for t in live:
+            ctx = encode_chat(tokenizer, prepare_prompt(t.records, cfg.system_prompt, keep))
+            contexts.append(ctx)
+            prefixes.append(prefix_ids if turn > 0 else [])
+        outs = generate(model, [c + p for c, p in zip(contexts, prefixes)], cfg.max_new_tokens,
+                        pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, stop_seqs=stops,
+                        temperature=cfg.temperature, top_p=cfg.top_p, generator=generator)
+        for t, ctx, pre, out in zip(live, contexts, prefixes, outs):
+            text = tokenizer.decode(pre + out)
+            kind, body = parse_action(text)
+            t.rounds.append(Round(ctx, pre, out, text, mem_token_end(tokenizer, pre + out), kind))
+            t.records.append(Record("llm_gen", text))
+            if kind == "search":
+                t.records.append(tool_record("search_results", tool.search(body), cfg.webpage_chars))
+            elif kind == "access":
+                t.records.append(tool_record("webpage", tool.access(body), cfg.webpage_chars))
+            else:
+                t.answer = body if kind == "answer" else None
+                t.done = True
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return trajs

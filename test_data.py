@@ -1,0 +1,104 @@
+"""The embedded world, the expert, the tokenizer and model round trip, and the real-data loaders."""
+import json
+import random
+
+import pytest
+
+import data
+from memory import extract_mem
+
+
+def test_world_relations_are_permutations_and_docs_match_facts():
+    w = data.make_world(3)
+    for rel in data.RELATIONS:
+        objs = [w.facts[(e, rel)] for e in w.entities]
+        assert sorted(objs) == sorted(w.entities)              # a permutation
+        assert all(w.facts[(e, rel)] != e for e in w.entities)  # no fixed points
+    assert len(w.docs) == len(w.facts)
+    assert {d["contents"] for d in w.docs} == {f"{s} {r} {o}" for (s, r), o in w.facts.items()}
+
+
+def test_same_seed_same_world_new_seed_same_names():
+    assert data.make_world(5).docs == data.make_world(5).docs
+    pool = set(data.name_pool())
+    assert set(data.make_world(6).entities) <= pool and set(data.make_world(7).entities) <= pool
+
+
+def test_task_golds_follow_the_chain():
+    w = data.make_world(1)
+    task = data.make_task(w, random.Random(0), 3, (2, 2))
+    assert len(task.golds) == 3 and task.question.count("?") == 3
+    for obj, gold in zip(task.objectives, task.golds):
+        cur = obj.start
+        for r in obj.relations:
+            cur = w.facts[(cur, r)]
+        assert gold == [cur]
+
+
+def test_expert_memory_and_forgetting():
+    w = data.make_world(2)
+    task = data.make_task(w, random.Random(1), 3, (1, 1))
+    rounds = data.expert_episode(task)
+    assert len(rounds) == 4 and extract_mem(rounds[0][0]) is None
+    final_mem = extract_mem(rounds[-1][0])
+    assert final_mem.count(";") == 2                          # one entry per objective
+    assert rounds[-1][0].endswith(f"<answer> {' ; '.join(g[0] for g in task.golds)} </answer>")
+    forgot = data.expert_episode(task, forget=True)
+    assert extract_mem(forgot[-1][0]).count(";") == 0
+    assert f"<answer> {data.UNKNOWN} ; {data.UNKNOWN} ; {task.golds[2][0]} </answer>" in forgot[-1][0]
+
+
+def test_tokenizer_covers_world_and_round_trips(tmp_path):
+    tok = data.build_tokenizer()
+    w, tasks = data.make_tasks(9, 5, [4])
+    for task in tasks:
+        for text, _ in data.expert_episode(task):
+            ids = tok.encode(text, add_special_tokens=False)
+            assert tok.unk_token_id not in ids
+            assert tok.decode(ids) == text
+    assert tok.encode("<mem>kalo", add_special_tokens=False)[0] == tok.convert_tokens_to_ids("<mem>")
+    model = data.build_tiny_model(tok)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok2 = AutoTokenizer.from_pretrained(tmp_path)          # the folder holds config.json too
+    assert tok2.encode(tasks[0].question, add_special_tokens=False) == tok.encode(tasks[0].question, add_special_tokens=False)
+    msgs = [{"role": "user", "content": "q"}]
+    assert tok2.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == \
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    m2 = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(m2).__name__ == "LlamaForCausalLM"
+
+
+def test_load_qa_and_corpus(tmp_path):
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text(json.dumps({"question": "who?", "golden_answers": ["Ann", "Anne"]}) + "\n\n"
+                  + json.dumps({"question": "two?", "golden_answers": [["a"], ["b", "bb"]]}) + "\n")
+    tasks = data.load_qa(str(qa))
+    assert tasks[0].golds == [["Ann", "Anne"]] and tasks[1].golds == [["a"], ["b", "bb"]]
+    corpus = tmp_path / "c.jsonl"
+    data.save_corpus([{"id": "1", "contents": "x y"}, {"id": "2", "contents": "z"}], str(corpus))
+    assert [d["id"] for d in data.load_corpus(str(corpus))] == ["1", "2"]
+
+
+@pytest.mark.parametrize("text,where", [
+    ('{"question": "q", "golden_answers": ["a"]}\n{"question": "q2", "golden_answers": ["a"]\n', ":2:"),
+    ('{"question": "q", "golden_answers": ["a"]}\n{"golden_answers": ["a"]}\n', ":2:"),
+    ('[1, 2]\n', ":1:"),
+    ('{"question": "q", "golden_answers": []}\n', ":1:"),
+])
+def test_malformed_qa_names_file_and_line(tmp_path, text, where):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(text)
+    with pytest.raises(data.DataError) as e:
+        data.load_qa(str(p))
+    assert str(p) in str(e.value) and where in str(e.value)
+
+
+def test_missing_and_malformed_corpus(tmp_path):
+    with pytest.raises(data.DataError, match="not found"):
+        data.load_corpus(str(tmp_path / "nope.jsonl"))
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"id": 1, "contents": "a"}\n{"id": 2}\n')
+    with pytest.raises(data.DataError, match=r"c\.jsonl:2:"):
+        data.load_corpus(str(p))
