@@ -25,10 +25,17 @@ The world (choices of this project):
   word (``search`` / ``answer``) and the query names only the current entity and relation. With
   snail-shell context the answers of earlier objectives live nowhere but in ``<mem>``.
 
-The scripted expert writes one ``<mem>`` entry per objective it has touched, ``k : subject relation
-object`` (the newest fact of that objective's chain; for a finished objective the object is its
-answer). Its flaw (``forget_p``): on that fraction of episodes it keeps only the newest objective's
-entry, so earlier answers are lost and it answers ``unknown`` for them. The flaw is decided per
+The scripted expert's ``<mem>`` holds one entry per objective, the path walked so far:
+``2 = lapu rival tebo boss`` (``lapu rival`` returned ``tebo``; ``boss`` is still to follow); an entry
+that ends in an entity is finished and that entity is the answer. Round 1 copies the question
+into ``<mem>``, and every later step is a local copy: the next query is the first unresolved
+``entity relation`` pair, and the new entity follows that pair in the tool result (a bigram
+induction). Memory uses ``=`` where the question uses ``:``. Two earlier formats (the newest fact
+per objective; the current entity per objective) needed the model to count finished objectives to
+find the next one in the question, and a 2-layer model did not learn that in 1500 SFT steps.
+Its flaw (``forget_p``): on that fraction of episodes a finished entry is dropped as soon as a
+newer objective finishes, so only the newest answer survives and it answers ``unknown`` for the
+others. The flaw is decided per
 episode, not per round, so that imitation does not average it away (ALGORITHM.md 4.1: random
 per-fact drops at p = 0.3 left a strong SFT policy).
 """
@@ -47,8 +54,8 @@ TAGS = ["<mem>", "</mem>", "<think>", "</think>", "<search>", "</search>", "<acc
 CHAT = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 SYSTEM_PROMPT = "answer all . keep findings in mem"
 UNKNOWN = "unknown"
-N_NAMES = 240           # the shared pool of entity names
-N_ENTITIES = 60         # entities in one world
+N_NAMES = 48            # the shared pool of entity names
+N_ENTITIES = 24         # entities in one world
 MAX_DOC_IDS = N_ENTITIES * len(RELATIONS)
 
 
@@ -144,49 +151,59 @@ def make_tasks(world_seed: int, n: int, objectives: list[int], hops: tuple[int, 
 
 # --------------------------------------------------------------------------- the scripted expert
 
-def format_mem(entries: dict[int, tuple[str, str, str]]) -> str:
-    """``<mem>`` body: one ``k : s r o`` entry per objective, in objective order."""
-    return " ; ".join(f"{k + 1} : {s} {r} {o}" for k, (s, r, o) in sorted(entries.items()))
+def format_mem(entries: dict[int, list[str]]) -> str:
+    """``<mem>`` body: one ``k = path`` entry per objective, in objective order."""
+    return " ; ".join(f"{k + 1} = {' '.join(path)}" for k, path in sorted(entries.items()))
 
 
 def expert_episode(task: Task, forget: bool = False) -> list[tuple[str, tuple[str, str] | None]]:
     """The expert's rounds: ``(round_text, (entity, relation) searched or None when answering)``.
 
-    Round 1 has no history and writes no ``<mem>``; every later round starts with one. When
-    ``forget`` is set, ``<mem>`` keeps only the newest objective's entry (the systematic flaw).
+    ``<mem>`` holds one entry per objective, its path so far: ``lapu rival boss`` (nothing found yet)
+    becomes ``lapu rival tebo boss`` once ``lapu rival`` returned ``tebo``, and ``lapu rival tebo
+    boss puni`` is finished (it ends in an entity: the answer). Round 1 copies the question into
+    ``<mem>``; the next query is always the first unresolved ``entity relation`` pair. When
+    ``forget`` is set, a finished entry is dropped once a newer objective finishes (the flaw).
     """
+    entries = {k: [o.start] + list(o.relations) for k, o in enumerate(task.objectives)}
     rounds: list[tuple[str, tuple[str, str] | None]] = []
-    entries: dict[int, tuple[str, str, str]] = {}
-    first = True
+    newest_done = None
     for k, obj in enumerate(task.objectives):
-        for hop, (s, r, _) in enumerate(obj.chain):
-            mem = "" if first else f"<mem> {format_mem(entries)} </mem> "
-            rounds.append((f"{mem}<think> search </think> <search> {s} {r} </search>", (s, r)))
-            entries[k] = obj.chain[hop]           # learnt from this round's tool result
-            if forget:
-                entries = {k: entries[k]}
-            first = False
-    rounds.append((f"<mem> {format_mem(entries)} </mem> <think> answer </think> "
-                   f"<answer> {answers_from_mem(task, format_mem(entries))} </answer>", None))
+        for hop, (s, r, o) in enumerate(obj.chain):
+            rounds.append((f"<mem> {format_mem(entries)} </mem> <think> search </think> <search> {s} {r} </search>",
+                           (s, r)))
+            entries[k].insert(2 * hop + 2, o)                  # learnt from this round's tool result
+        if forget and newest_done is not None:
+            entries.pop(newest_done, None)
+        newest_done = k
+    mem = format_mem(entries)
+    rounds.append((f"<mem> {mem} </mem> <think> answer </think> <answer> {answers_from_mem(task, mem)} </answer>",
+                   None))
     return rounds
 
 
-def answers_from_mem(task: Task, mem: str) -> str:
-    """What the expert answers from ``<mem>`` alone: objective k's answer if its entry closes the chain, else unknown."""
+def parse_mem(mem: str) -> dict[int, list[str]]:
+    """``1 = a r b ; 2 = c r`` -> ``{0: ["a", "r", "b"], 1: ["c", "r"]}`` (objective index -> path)."""
     entries = {}
     for e in mem.split(";"):
-        k, _, fact = e.partition(":")
-        if k.strip().isdigit():
-            entries[int(k) - 1] = fact.strip()
-    return " ; ".join(o.answer if entries.get(k) == " ".join(o.chain[-1]) else UNKNOWN
-                      for k, o in enumerate(task.objectives))
+        k, _, path = e.partition("=")
+        if k.strip().isdigit() and path.split():
+            entries[int(k) - 1] = path.split()
+    return entries
+
+
+def answers_from_mem(task: Task, mem: str) -> str:
+    """What the expert answers from ``<mem>`` alone: a finished entry's last entity, else ``unknown``."""
+    entries = parse_mem(mem)
+    done = lambda p: len(p) >= 3 and p[-1] not in RELATIONS
+    return " ; ".join(entries[k][-1] if done(entries.get(k, [])) else UNKNOWN for k in range(len(task.objectives)))
 
 
 # --------------------------------------------------------------------------- tokenizer and model
 
 def world_vocab() -> list[str]:
     """Every word the embedded world can produce, specials first."""
-    words = ["<pad>", "<unk>"] + CHAT + TAGS + [UNKNOWN, ";", ":", "?", "|", ","] + RELATIONS
+    words = ["<pad>", "<unk>"] + CHAT + TAGS + [UNKNOWN, ";", ":", "=", "?", "|", ","] + RELATIONS
     words += [str(k) for k in range(1, 65)] + [f"d{i}" for i in range(MAX_DOC_IDS)]
     words += SYSTEM_PROMPT.split() + ["search", "answer", "not", "found"]
     words += name_pool()
@@ -217,8 +234,8 @@ def build_tokenizer(words: list[str] | None = None):
     return hf
 
 
-def build_tiny_model(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 4, seed: int = 0):
-    """A randomly initialised ``LlamaForCausalLM`` over ``tokenizer`` (0.6M parameters at the defaults).
+def build_tiny_model(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 8, seed: int = 0):
+    """A randomly initialised ``LlamaForCausalLM`` over ``tokenizer`` (0.5M parameters at the defaults).
 
     Llama, not Qwen2: transformers 5 lists ``qwen2`` among the model types whose saved tokenizer class
     it overrides, so ``AutoTokenizer`` on a Qwen2 checkpoint would load a byte-level BPE tokenizer

@@ -23,7 +23,7 @@ import torch
 
 import data
 from reward import outcome_reward
-from rollout import AgentConfig, SearchTool, load_model, pick_device, rollout
+from rollout import AgentConfig, SearchTool, load_model, parse_action, pick_device, rollout
 
 SPLIT_SEEDS = {"valid": 10_000, "test": 20_000}
 AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
@@ -31,70 +31,58 @@ AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
 
 # --------------------------------------------------------------------------- memory diagnostics
 
-def mem_facts(mem: str) -> list[str]:
-    """``1 : s r o ; 2 : s r o`` -> ``["s r o", "s r o"]`` (the entry's words after an optional ``k :``)."""
-    out = []
-    for entry in mem.split(";"):
-        words = entry.split()
-        if len(words) >= 2 and words[1] == ":":
-            words = words[2:]
-        if words:
-            out.append(" ".join(words))
-    return out
-
-
 def memory_diagnostics(trajs: list, tasks: list) -> dict:
     """Retention, faithfulness and turn drift of ``<mem>``, measurable because the world's facts are known.
 
-    At round t (t >= 2) a gold chain fact is *retrieved* once some earlier tool result contains it, and
-    *still needed* while it is an objective's final fact (its answer) or the newest retrieved fact of an
-    unfinished chain. Retention = fraction of retrieved, still-needed facts present in ``<mem>``, by how
-    many rounds ago the fact was first retrieved. Faithfulness = fraction of ``<mem>`` facts that appear
-    in some earlier tool result (an invented fact is reward hacking).
+    Objective k's *needed* entity after some rounds is the newest object of its gold chain that an
+    earlier search retrieved (its answer once the chain is complete). Retention at round t >= 2 =
+    fraction of needed entities that ``<mem>`` holds in objective k's entry (``k = path``), by
+    how many rounds ago the entity was retrieved, and for rounds 2-8 vs 9-64 (turn drift).
+    Faithfulness = fraction of ``<mem>`` entries whose words all occur in the question or an earlier
+    tool result (an invented entry is reward hacking).
     """
     from memory import extract_mem
+    from reward import mem_grounded
     kept = {b: [0, 0] for b in AGO_BUCKETS}
     drift = {"rounds 2-8": [0, 0], "rounds 9-64": [0, 0]}
     faithful = [0, 0]
     for traj in trajs:
         task = tasks[traj.group_id]
         tools = [r.text for r in traj.records if r.type in ("search_results", "webpage")]
-        first_seen: dict[str, int] = {}
+        found: dict[tuple[int, int], int] = {}           # (objective, hop) -> round that retrieved it
         for t, rnd in enumerate(traj.rounds):
             if t >= 1:
                 mem = extract_mem(rnd.text)
-                facts = mem_facts(mem) if mem is not None else []
-                seen_text = " | ".join(tools[:t])
-                faithful[0] += sum(f in seen_text for f in facts)
-                faithful[1] += len(facts)
-                mem_text = " ; ".join(facts)
-                for obj in task.objectives:
-                    chain = [" ".join(f) for f in obj.chain]
-                    got = [c for c in chain if c in first_seen]
-                    if not got:
+                entries = data.parse_mem(mem or "")
+                for e in (mem or "").split(";"):
+                    if e.strip():
+                        faithful[0] += mem_grounded(e, [task.question] + tools[:t])
+                        faithful[1] += 1
+                for k, obj in enumerate(task.objectives):
+                    hops = [h for h in range(len(obj.chain)) if (k, h) in found]
+                    if not hops:
                         continue
-                    needed = {chain[-1]} if chain[-1] in first_seen else {got[-1]}
-                    for c in needed:
-                        ago = t - first_seen[c]
-                        hit = int(c in mem_text)
-                        for b in AGO_BUCKETS:
-                            if b[0] <= ago <= b[1]:
-                                kept[b][0] += hit
-                                kept[b][1] += 1
-                        d = drift["rounds 2-8" if t < 8 else "rounds 9-64"]
-                        d[0] += hit
-                        d[1] += 1
-            if t < len(tools):
-                for obj in task.objectives:
-                    for f in obj.chain:
-                        c = " ".join(f)
-                        if c in tools[t] and c not in first_seen:
-                            first_seen[c] = t            # retrieved by round t: 1 round ago at t + 1
+                    h = max(hops)
+                    hit = int(obj.chain[h][2] in entries.get(k, []))
+                    ago = t - found[(k, h)]
+                    for b in AGO_BUCKETS:
+                        if b[0] <= ago <= b[1]:
+                            kept[b][0] += hit
+                            kept[b][1] += 1
+                    d = drift["rounds 2-8" if t < 8 else "rounds 9-64"]
+                    d[0] += hit
+                    d[1] += 1
+            if t < len(tools) and rnd.action == "search":
+                query = parse_action(rnd.text)[1].split()
+                for k, obj in enumerate(task.objectives):
+                    for h, f in enumerate(obj.chain):      # retrieved: searched for and shown
+                        if query == list(f[:2]) and " ".join(f) in tools[t] and (k, h) not in found:
+                            found[(k, h)] = t
     ratio = lambda a: a[0] / a[1] if a[1] else float("nan")
     return {"retention": ratio([sum(v[0] for v in kept.values()), sum(v[1] for v in kept.values())]),
             "retention_by_ago": {f"{a}-{b}": ratio(v) for (a, b), v in kept.items()},
             "retention_drift": {k: ratio(v) for k, v in drift.items()},
-            "faithfulness": ratio(faithful), "mem_facts": faithful[1]}
+            "faithfulness": ratio(faithful), "mem_entries": faithful[1]}
 
 
 def p_by_round(model, tokenizer, trajs: list, threshold: float = 0.5) -> dict:

@@ -1,10 +1,14 @@
 """Rollouts: a batched KV-cache sampling engine, the search / access tools, and the MemPO agent loop.
 
 Engine (``generate``): token ids in, sampled ids out; it knows nothing of tags. Prompts are left
-padded and prefilled in one forward; position ids come from the attention mask so padding does
-not shift them; each decode step feeds one token per live row; a row that hits EOS or a stop
-sequence leaves the batch (its KV cache rows are dropped), so no finished row keeps decoding.
-Greedy output equals ``model.generate`` token for token (``test_rollout.py``).
+padded and prefilled in one forward; identical prompts (the G rollouts of a question in round 1)
+are prefilled once and their cache rows repeated. Position ids come from the attention mask so
+padding does not shift them. Decoding writes into a preallocated ``StaticCache`` (no per-step
+concat of the cache), passes a preallocated 4D mask straight to attention (no per-step mask
+building), keeps outputs in one tensor (no per-step Python over rows) and samples by inverse CDF
+(one uniform per row). A row that hits EOS or a stop sequence is finished; finished rows leave the
+batch (their cache rows dropped) once they are a quarter of it, since each drop copies the cache.
+Greedy output equals ``model.generate`` token for token (``test_rollout.py``); ``bench.py`` times it.
 
 Agent loop (``rollout``): per round, for every live trajectory,
 
@@ -79,56 +83,81 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
     """(B, V) logits -> (B,) token ids; temperature 0 is greedy."""
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)     # (B, V)
+    order = None
     if top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p      # always keeps the top token
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs, order = probs.sort(dim=-1, descending=True)
+        probs = probs * (probs.cumsum(-1) - probs < top_p)           # always keeps the top token
+    # inverse-CDF sampling: one uniform per row (torch.multinomial draws one exponential per entry: 10x slower on CPU)
+    cdf = probs.cumsum(-1)                                             # (B, V)
+    u = torch.rand((len(cdf), 1), device=cdf.device, generator=generator) * cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)   # (B, 1)
+    return (tok if order is None else order.gather(-1, tok)).squeeze(-1)
 
 
-@torch.no_grad()
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Keep (or repeat) batch ``rows`` of every layer of a ``StaticCache``, in place."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+
+
+@torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
              eos_id: int | None = None, stop_seqs: list[list[int]] = (), temperature: float = 1.0,
              top_p: float = 1.0, generator: torch.Generator | None = None) -> list[list[int]]:
     """Sample continuations of ``prompts`` with a KV cache; each output ends at EOS / a stop sequence (kept)."""
-    from transformers import DynamicCache
-    device = model.device
-    ids, attn = left_pad(prompts, pad_id, device)                   # (B, L)
+    from transformers import StaticCache
+    device, B, T = model.device, len(prompts), max_new_tokens
+    # identical prompts (the G rollouts of one question) are prefilled once, their cache rows repeated
+    first: dict[tuple, int] = {}
+    copy_of = [first.setdefault(tuple(p), len(first)) for p in prompts]          # prompt -> unique prompt
+    ids, attn = left_pad([list(p) for p in first], pad_id, device)                 # (U, L)
+    L = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=L + T)   # written in place: no per-step concat
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]   # (B, V)
-    last_pos = pos[:, -1]
-    stop_last = {s[-1] for s in stop_seqs if s}
-    if eos_id is not None:
-        stop_last.add(eos_id)
-    stop_last_t = torch.tensor(sorted(stop_last), dtype=torch.long, device=device)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    rows = list(range(len(prompts)))                                 # live row -> prompt index
-    for _ in range(max_new_tokens):
-        tok = sample_next(logits, temperature, top_p, generator)    # (b,)
-        hit = torch.isin(tok, stop_last_t).tolist()
-        done = []
-        for j, t in enumerate(tok.tolist()):
-            out = outputs[rows[j]]
-            out.append(t)
-            if hit[j] and (t == eos_id or any(out[-len(s):] == s for s in stop_seqs)):
-                done.append(j)
-        if done:
-            keep = [j for j in range(len(rows)) if j not in set(done)]
-            if not keep:
+                   use_cache=True, logits_to_keep=1).logits[:, -1]   # (U, V)
+    if len(first) < B:
+        rep = torch.tensor(copy_of, device=device)
+        select_rows(cache, rep)
+        logits, attn, pos = logits[rep], attn[rep], pos[rep]         # (B, ...)
+    # keys each row may see; step t opens column L + t. SDPA takes its (b, 1, 1, L+T) view as is (no
+    # per-step mask building); other attention kernels get the 2D mask and build their own.
+    mask = torch.zeros(B, L + T, dtype=torch.bool, device=device)                # (b, L+T)
+    mask[:, :L] = attn.bool()
+    as_4d = model.config._attn_implementation == "sdpa"
+    pos = pos[:, -1:].clone()                                                     # (b, 1)
+    ends = {s[-1] for s in stop_seqs if s} | ({eos_id} if eos_id is not None else set())
+    ends = torch.tensor(sorted(ends), dtype=torch.long, device=device)
+    stops = [torch.tensor(s, device=device) for s in stop_seqs if s]
+    out = torch.full((B, T), pad_id, dtype=torch.long, device=device)            # (B, T)
+    n_out = torch.full((B,), T, dtype=torch.long, device=device)                  # (B,) output lengths
+    rows = torch.arange(B, device=device)                                         # (b,) live row -> prompt
+    done = torch.zeros(B, dtype=torch.bool, device=device)                        # (b,) finished, still in batch
+    for t in range(T):
+        tok = sample_next(logits, temperature, top_p, generator)                  # (b,)
+        out[rows, t] = tok
+        hit = torch.isin(tok, ends) & ~done          # could have ended: only then look at whole sequences
+        if hit.any():
+            ended = tok == eos_id if eos_id is not None else torch.zeros_like(hit)
+            for s in stops:
+                if t + 1 >= len(s):
+                    ended |= (out[rows, t + 1 - len(s):t + 1] == s).all(-1)
+            ended &= hit
+            n_out[rows[ended]] = t + 1
+            done |= ended
+            n_done = int(done.sum())
+            if n_done == len(rows):
                 break
-            keep_t = torch.tensor(keep, device=device)
-            cache.batch_select_indices(keep_t)
-            attn, tok, last_pos = attn[keep_t], tok[keep_t], last_pos[keep_t]
-            rows = [rows[j] for j in keep]
-        attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
-        last_pos = last_pos + 1
-        logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=last_pos[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
-    return outputs
+            if 4 * n_done >= len(rows):              # drop finished rows once a quarter of the batch is done
+                keep = (~done).nonzero().squeeze(1)
+                select_rows(cache, keep)
+                rows, mask, pos, tok, done = rows[keep], mask[keep], pos[keep], tok[keep], done[keep]
+        mask[:, L + t] = True
+        pos += 1
+        logits = model(input_ids=tok[:, None], attention_mask=mask[:, None, None] if as_4d else mask,
+                       position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]   # (b, V)
+    return [row[:n] for row, n in zip(out.tolist(), n_out.tolist())]
 
 
 # --------------------------------------------------------------------------- tools

@@ -39,9 +39,11 @@ def test_expert_memory_and_forgetting():
     w = data.make_world(2)
     task = data.make_task(w, random.Random(1), 3, (1, 1))
     rounds = data.expert_episode(task)
-    assert len(rounds) == 4 and extract_mem(rounds[0][0]) is None
+    assert len(rounds) == 4
+    assert extract_mem(rounds[0][0]) == " ; ".join(f"{k + 1} = {o.start} {o.relations[0]}"
+                                                   for k, o in enumerate(task.objectives))  # the question, copied
     final_mem = extract_mem(rounds[-1][0])
-    assert final_mem.count(";") == 2                          # one entry per objective
+    assert final_mem == " ; ".join(f"{k + 1} = {' '.join(o.chain[0])}" for k, o in enumerate(task.objectives))
     assert rounds[-1][0].endswith(f"<answer> {' ; '.join(g[0] for g in task.golds)} </answer>")
     forgot = data.expert_episode(task, forget=True)
     assert extract_mem(forgot[-1][0]).count(";") == 0

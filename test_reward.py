@@ -237,11 +237,11 @@ def _copy_sample(rng: random.Random) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def copy_model(tok):
-    """Hidden 64, 2 layers, 4 heads; 300 AdamW steps, loss on the answer entity only (~5 s)."""
+    """Hidden 64, 2 layers, 4 heads; 600 AdamW steps, loss on the answer entity only (~10 s)."""
     model = data.build_tiny_model(tok, hidden=64, layers=2, heads=4, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(0)
-    for _ in range(300):
+    for _ in range(600):
         rows = []
         for ctx, x in (_copy_sample(rng) for _ in range(32)):
             c, a = (tok.encode(s, add_special_tokens=False) for s in (ctx, _answer(x)))
@@ -308,7 +308,7 @@ def test_memory_reward_rounds_and_nothing_to_score(tok):
     skip = _trajectory(tok, x, [None])                 # round 2 has no <mem>: nothing to score
     out = memory_rewards(NoForward(), tok, [skip, _trajectory(tok, x, [])])
     assert out == {"rewards": [[], []], "rounds": [[], []], "p_mem": [], "p_full": [],
-                   "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "n": 0}
+                   "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "n": 0, "ungrounded": 0}
     assert memory_rewards(NoForward(), tok, [])["rewards"] == []
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     mixed = _trajectory(tok, x, ["1", None, "2 friend", f"1 : friend {x}"])
@@ -317,3 +317,11 @@ def test_memory_reward_rounds_and_nothing_to_score(tok):
     out = memory_rewards(model, tok, [skip, mixed], token_budget=50)
     assert out["rounds"] == [[], [1, 3, 4]] and out["n"] == 3 and len(out["rewards"][1]) == 3
     assert all(r == pytest.approx(m - f) for r, m, f in zip(out["rewards"][1], out["p_mem"], out["p_full"]))
+
+
+def test_mem_grounded_gate():
+    from reward import mem_grounded
+    sources = ["1 : bobi friend ?", "<information> d1 bobi friend tugu | d2 gonu friend bobi </information>"]
+    assert mem_grounded("1 = bobi friend tugu", sources)
+    assert not mem_grounded("1 = bobi friend tugu ; 2 = zzzz", sources)     # an invented word
+    assert mem_grounded("", sources)

@@ -57,12 +57,16 @@ class Config:
     model: str = ""            # HF model path; empty = build the tiny embedded model
     data: str = ""             # QA JSONL/parquet; empty = the embedded world
     corpus: str = ""           # corpus JSONL (required with --data)
+    hidden: int = 128          # tiny embedded model
+    layers: int = 2
+    heads: int = 8
     # SFT cold start (embedded default)
-    sft_steps: int = 2500
+    sft_steps: int = 2000
     sft_batch: int = 64
-    sft_lr: float = 2e-3
+    sft_lr: float = 1e-3
+    sft_copy_steps: int = 400  # warm-up steps on a pure copy task before the expert episodes
     forget_p: float = 0.5      # fraction of expert episodes whose <mem> forgets earlier objectives
-    sft_objectives: str = "1-6"
+    sft_objectives: str = "1-4"
     hops: str = "1-3"
     # RL
     algo: str = "mempo"        # mempo | grpo
@@ -105,8 +109,11 @@ def parse_args(argv=None) -> Config:
         "device": "auto | cpu | cuda", "model": "HF model name or path (default: the tiny embedded model)",
         "data": "QA file, JSONL or parquet, fields question / golden_answers",
         "corpus": "corpus JSONL with id / contents for the search tool",
+        "hidden": "hidden size of the tiny embedded model", "layers": "layers of the tiny embedded model",
+        "heads": "attention heads of the tiny embedded model",
         "sft_steps": "SFT cold-start steps (embedded default only; 0 skips)", "sft_batch": "rounds per SFT step",
-        "sft_lr": "SFT learning rate", "forget_p": "fraction of expert episodes with the forgetting flaw",
+        "sft_lr": "SFT learning rate",
+        "sft_copy_steps": "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model to copy names)", "forget_p": "fraction of expert episodes with the forgetting flaw",
         "sft_objectives": "objective counts K of SFT questions, e.g. 1-10", "hops": "hops per objective, e.g. 1-3",
         "algo": "mempo (outcome + memory advantage) | grpo (outcome only)", "rl_steps": "RL steps (0 skips RL)",
         "questions": "questions per RL step", "group": "rollouts per question (G)",
@@ -264,6 +271,8 @@ def sft_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
     world = data.make_world(rng.randrange(10**9))
     tool = SearchTool(world.docs)
     ks, hops = int_range(cfg.sft_objectives), int_range(cfg.hops)
+    # curriculum: one objective first (short contexts, where copying is learnt), all K by 40% of steps
+    ks = ks[: max(1, round(len(ks) * (step - cfg.sft_copy_steps) / (0.4 * cfg.sft_steps)))]
     out: list[Sample] = []
     while len(out) < cfg.sft_batch:
         task = data.make_task(world, rng, rng.choice(ks), (hops[0], hops[-1]))
@@ -271,6 +280,26 @@ def sft_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
                               rng=rng)
         out += rng.sample(rows, min(len(rows), 4))     # a few rounds per episode: more episodes per batch
     return out[: cfg.sft_batch]
+
+
+def copy_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
+    """Warm-up rows: a random question -> its objectives copied as ``<mem>`` entries.
+
+    A 2-layer model learns to copy a name from its context only after a long loss plateau; on the
+    expert episodes that plateau outlasted 800 SFT steps, on these short rows it ends in a few
+    hundred cheap steps, after which the expert episodes are learnt quickly.
+    """
+    rng = random.Random(cfg.seed * 3_000_017 + step)
+    names = data.name_pool()
+    out = []
+    for _ in range(cfg.sft_batch):
+        objs = [(rng.choice(names), [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))])
+                for _ in range(rng.randint(1, 4))]
+        question = " ".join(f"{k + 1} : {e} {' '.join(rs)} ?" for k, (e, rs) in enumerate(objs))
+        ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], data.SYSTEM_PROMPT))
+        mem = " ; ".join(f"{k + 1} = {e} {' '.join(rs)}" for k, (e, rs) in enumerate(objs))
+        out.append(Sample(ctx + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False), len(ctx)))
+    return out
 
 
 def sft_loss(model, batch: dict[str, torch.Tensor], n_tokens: float) -> torch.Tensor:
@@ -291,7 +320,7 @@ def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: 
         for g in optimizer.param_groups:
             g["lr"] = cfg.sft_lr * sched(step)
         t0 = time.time()
-        samples = sft_batch(tokenizer, cfg, step)
+        samples = copy_batch(tokenizer, cfg, step) if step < cfg.sft_copy_steps else sft_batch(tokenizer, cfg, step)
         n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
@@ -380,6 +409,14 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         m["skipped"] = "all advantages are zero"
         m["sec_update"] = time.time() - t0
         return m
+    m.update(ppo_update(model, ref_model, optimizer, samples, cfg, tokenizer.pad_token_id))
+    m["sec_update"] = time.time() - t0
+    return m
+
+
+def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
+    """Clipped PPO on round samples: micro-batches sorted by length, whole-batch token count as denominator."""
+    m: dict = {}
     batches = micro_batches(samples, cfg.micro_tokens)
     m["padding_waste"] = padding_waste(batches)
     n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
@@ -389,7 +426,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
     if cfg.ppo_epochs > 1 or ref_model is not None:
         with torch.no_grad():
             for bi, b in enumerate(batches):
-                x = collate(b, tokenizer.pad_token_id, device)
+                x = collate(b, pad_id, device)
                 if cfg.ppo_epochs > 1:
                     old[("old", bi)] = token_logprobs(model, x["ids"], x["attn"], cfg.temperature)
                 if ref_model is not None:
@@ -400,7 +437,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for bi, b in enumerate(batches):
-            x = collate(b, tokenizer.pad_token_id, device)
+            x = collate(b, pad_id, device)
             adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"], cfg.mem_weight)
             logp = token_logprobs(model, x["ids"], x["attn"], cfg.temperature)
             old_logp = old.get(("old", bi), logp.detach())
@@ -419,9 +456,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
             break
         optimizer.step()
         m.update(loss=total, grad_norm=gn.item())
-    m.update(stats)
-    m["sec_update"] = time.time() - t0
-    return m
+    return m | stats
 
 
 def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: str, ckpt: str,
@@ -469,7 +504,7 @@ def main(argv=None) -> None:
         state = {"stage": "rl", "step": 0}      # a real model brings its own cold start
     else:
         tokenizer = data.build_tokenizer()
-        model = data.build_tiny_model(tokenizer, seed=cfg.seed).to(device)
+        model = data.build_tiny_model(tokenizer, cfg.hidden, cfg.layers, cfg.heads, seed=cfg.seed).to(device)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     with open(os.path.join(cfg.run, "config.json"), "w") as f:
@@ -481,7 +516,7 @@ def main(argv=None) -> None:
         real_tasks, real_tool = data.load_qa(cfg.data), SearchTool(data.load_corpus(cfg.corpus))
 
     if state["stage"] == "sft" and cfg.sft_steps > 0:
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
         if trainer is not None and trainer["optimizer"] is not None:
             opt.load_state_dict(trainer["optimizer"])
             torch.set_rng_state(trainer["torch_rng"])

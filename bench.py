@@ -1,0 +1,341 @@
+"""Performance of the rollout engine, the reward pass and one training step, measured side by side.
+
+    python bench.py                 # CPU, tiny default model (a few minutes)
+    python bench.py --quick         # CPU, fewer repeats and shorter rounds (under 3 minutes)
+    python bench.py --device cuda --model-shape qwen2.5-0.5b     # a random Qwen2.5-0.5B-shaped model, bf16
+
+Every speed figure is a ratio of two things timed in the same run, interleaved (A, B, A, B, ...),
+the median of ``--repeats`` repeats, with the absolute numbers beside it:
+
+1. **decode** (``decode_speedup``): ``rollout.generate`` vs ``model.generate`` on the same model and
+   the same 64 left-padded prompts, the same number of new tokens (no EOS, no stop), plain sampling
+   at temperature 1 (``top_k=0`` for HF, so both sample the full softmax). Tokens/s of each and the
+   ratio. Then greedy parity: both at temperature 0 must give identical tokens.
+2. **multi-turn rollout** (``rollout_speedup``): ``rollout.rollout`` (G = 8 rollouts x 8 questions of
+   the RL training distribution, BM25 search tool, snail context, 96 new tokens a round, temperature
+   1) vs the same agent loop whose engine is replaced by a naive one: ``model.generate`` per round,
+   every prompt prefilled in full, finished rows decoding until the longest is done. Both loops
+   build the same per-round prompts (same bookkeeping code); trajectories/s of each and the ratio.
+   At temperature 0 both must write identical trajectories (checked, and timed too).
+3. **memory-reward scoring** (``scoring_speedup``): ``reward.answer_logprobs`` over the 2N
+   (full_traj, mem_traj) contexts of those trajectories in one call vs two calls of N; ratio of the
+   two-call time to the one-call time (> 1: the batched pass is faster), plus the max abs difference.
+4. **context growth** (``snail_round_cost_ratio_64_vs_8``): 8 long expert episodes (22 objectives x
+   3 hops = 67 rounds) rendered as the agent would see them at rounds 8, 16, 32, 64; one round of
+   generation (prefill + 30 new tokens, batch 8) timed at each, ``snail`` vs ``full`` context.
+   The ratio is seconds at round 64 over seconds at round 8 for snail.
+5. **a training step**: ``train.rl_step`` with the default config (``train.parse_args([])``) split into
+   rollout / reward / update seconds, and the peak RSS of this process (peak CUDA memory on a GPU).
+6. **padding waste** (``padding_waste``): the fraction of token positions of the update forward that
+   are padding, for the round samples of one step cut unsorted into the same number of micro-batches
+   (before) and by ``train.micro_batches`` (sorted by length, token budget; after).
+
+A table on stdout, then ONE JSON line last. The agent loop needs a model that writes valid rounds:
+``--checkpoint``, else ``runs/default/final``, else ``runs/bench_sft/final``, which the first run
+trains with the test suite's SFT recipe (``conftest.SFT_ARGS``, a few minutes; not counted in the
+``--quick`` budget) and later runs reuse. With ``--model-shape qwen2.5-0.5b`` the model is random (Qwen2.5-0.5B's body,
+the world tokenizer's vocabulary), so its rounds rarely end in an action and trajectories are short.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import resource
+import statistics
+import time
+from unittest import mock
+
+import torch
+
+import data
+import rollout as engine
+import train
+from memory import Record, mem_traj, prepare_prompt, tool_record
+from reward import answer_logprobs, answer_template
+from rollout import AgentConfig, SearchTool, encode_chat, generate, left_pad, stop_sequences
+
+DEFAULT_CHECKPOINTS = ["runs/default/final", "runs/bench_sft/final"]
+QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, rope_theta=1_000_000.0, tie_word_embeddings=True)
+
+
+# --------------------------------------------------------------------------- setup
+
+def load(args, device: torch.device):
+    """(model, tokenizer, what it is): a checkpoint, the bench's own SFT, or a random Qwen2.5-0.5B-shaped model."""
+    if args.model_shape == "qwen2.5-0.5b":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        tok = data.build_tokenizer()
+        cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=32768, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.eos_token_id, bos_token_id=None, **QWEN_05B)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        return Qwen2ForCausalLM(cfg).to(device, dtype).eval(), tok, "random qwen2.5-0.5b shape"
+    from transformers import AutoTokenizer
+    path = args.checkpoint or next((p for p in DEFAULT_CHECKPOINTS if os.path.exists(p)), "")
+    if not path:                       # train the test suite's SFT recipe once; later runs reuse it
+        from conftest import SFT_ARGS
+        train.main(["--run", os.path.dirname(DEFAULT_CHECKPOINTS[-1]), "--device", device.type] + SFT_ARGS)
+        path = DEFAULT_CHECKPOINTS[-1]
+    return engine.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def side_by_side(fns: dict, repeats: int, device: torch.device) -> dict[str, float]:
+    """Median seconds of each function, run interleaved ``repeats`` times after one warm-up each."""
+    times = {k: [] for k in fns}
+    for k, f in fns.items():
+        f()
+    for _ in range(repeats):
+        for k, f in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            f()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# --------------------------------------------------------------------------- the naive reference engine
+
+def hf_generate(model, prompts, max_new_tokens, *, pad_id, eos_id=None, stop_seqs=(), temperature=1.0,
+                top_p=1.0, generator=None):
+    """``rollout.generate``'s contract on top of ``model.generate``: re-prefill all, cut each row after its stop."""
+    ids, attn = left_pad(prompts, pad_id, model.device)
+    ends = [s[0] for s in stop_seqs if len(s) == 1] + ([eos_id] if eos_id is not None else [])
+    sample = temperature > 0
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=sample,
+                         temperature=temperature if sample else None, top_p=top_p if sample else None,
+                         top_k=0 if sample else None, pad_token_id=pad_id, eos_token_id=ends or None)
+    rows = []
+    for row in out[:, ids.shape[1]:].tolist():
+        for i, t in enumerate(row):
+            if t == eos_id or any(row[max(0, i + 1 - len(s)):i + 1] == s for s in stop_seqs):
+                row = row[:i + 1]
+                break
+        rows.append(row)
+    return rows
+
+
+def naive_rollout(*args, **kwargs):
+    """The agent loop of ``rollout.rollout`` with ``hf_generate`` as its engine."""
+    with mock.patch.object(engine, "generate", hf_generate):
+        return engine.rollout(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- the six figures
+
+def bench_decode(model, tok, device, n_new: int, repeats: int) -> dict:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, len(tok)) for _ in range(rng.randint(8, 64))] for _ in range(64)]
+    pad = tok.pad_token_id
+    seeds = iter(range(10**6))
+
+    def ours():
+        return generate(model, prompts, n_new, pad_id=pad, generator=torch.Generator(device).manual_seed(next(seeds)))
+
+    def hf():
+        torch.manual_seed(next(seeds))
+        return hf_generate(model, prompts, n_new, pad_id=pad)
+
+    assert all(len(r) == n_new for r in ours() + hf())       # same work: no row stops early
+    t = side_by_side({"ours": ours, "hf": hf}, repeats, device)
+    greedy_ours = generate(model, prompts, n_new, pad_id=pad, temperature=0.0)
+    greedy_hf = hf_generate(model, prompts, n_new, pad_id=pad, temperature=0.0)
+    n = len(prompts) * n_new
+    return {"ours_tok_s": n / t["ours"], "hf_tok_s": n / t["hf"], "speedup": t["hf"] / t["ours"],
+            "greedy_parity": greedy_ours == greedy_hf,
+            "greedy_rows_equal": sum(a == b for a, b in zip(greedy_ours, greedy_hf)) / len(prompts)}
+
+
+def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: int) -> dict:
+    tasks, tool = train.rl_tasks(cfg, step=0)
+    res = {}
+    for temp in (1.0, 0.0):
+        agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context="snail", max_turns=cfg.max_turns,
+                            max_new_tokens=max_new, temperature=temp)
+        seeds = {"ours": iter(range(10**6)), "naive": iter(range(10**6))}
+        last = {}
+
+        def run(name, loop):
+            def f():
+                seed = next(seeds[name])
+                torch.manual_seed(seed)
+                last[name] = loop(model, tok, tasks, cfg.group, tool, agent, torch.Generator(device).manual_seed(seed))
+            return f
+
+        t = side_by_side({"ours": run("ours", engine.rollout), "naive": run("naive", naive_rollout)},
+                         repeats if temp > 0 else max(1, repeats // 2), device)
+        n = len(last["ours"])
+        key = "sampled" if temp > 0 else "greedy"
+        res[key] = {"ours_traj_s": n / t["ours"], "naive_traj_s": n / t["naive"], "speedup": t["naive"] / t["ours"],
+                    "rounds_ours": sum(len(x.rounds) for x in last["ours"]) / n,
+                    "rounds_naive": sum(len(x.rounds) for x in last["naive"]) / n}
+        if temp == 0:
+            same = [[r.round_ids for r in a.rounds] == [r.round_ids for r in b.rounds]
+                    for a, b in zip(last["ours"], last["naive"])]
+            res[key]["identical"] = all(same)
+        else:
+            res["trajs"] = last["ours"]
+    return res
+
+
+def bench_scoring(model, tok, device, trajs, repeats: int) -> dict:
+    scored = [(t, r) for t in trajs for i, r in enumerate(t.rounds) if i >= 1 and r.mem_end > 0]
+    if not scored:
+        return {"n": 0, "speedup": float("nan")}
+    full = [r.context_ids for _, r in scored]
+    mem = [mem_traj(t.prompt_ids, r.round_ids, r.mem_end) for t, r in scored]
+    ans = [answer_template(tok, t.golds)[0] for t, _ in scored]
+    pad = tok.pad_token_id
+    out = {}
+    t = side_by_side({"one_2n": lambda: out.__setitem__("one", answer_logprobs(model, full + mem, ans + ans, pad)),
+                      "two_n": lambda: out.__setitem__("two", answer_logprobs(model, full, ans, pad)
+                                                       + answer_logprobs(model, mem, ans, pad))},
+                     repeats, device)
+    diff = max((a - b).abs().max().item() for a, b in zip(out["one"], out["two"]))
+    return {"n": len(scored), "one_2n_s": t["one_2n"], "two_n_s": t["two_n"], "speedup": t["two_n"] / t["one_2n"],
+            "max_abs_diff": diff}
+
+
+def long_contexts(tok, rounds: list[int], n_episodes: int = 8) -> dict[str, dict[int, list[list[int]]]]:
+    """Prompt ids (context + forced ``<mem>``) of expert episodes at the given rounds, snail and full."""
+    world = data.make_world(7)
+    rng = random.Random(7)
+    tool = SearchTool(world.docs)
+    prefix = tok.encode("<mem>", add_special_tokens=False)
+    out = {"snail": {r: [] for r in rounds}, "full": {r: [] for r in rounds}}
+    for _ in range(n_episodes):
+        task = data.make_task(world, rng, 22, (3, 3))
+        records = [Record("prompt", task.question)]
+        for t, (text, query) in enumerate(data.expert_episode(task)):
+            if t + 1 in rounds:
+                for mode, keep in (("snail", 1), ("full", None)):
+                    out[mode][t + 1].append(encode_chat(tok, prepare_prompt(records, data.SYSTEM_PROMPT, keep)) + prefix)
+            records.append(Record("llm_gen", text))
+            if query is not None:
+                records.append(tool_record("search_results", tool.search(" ".join(query))))
+    return out
+
+
+def bench_context(model, tok, device, repeats: int, n_new: int = 30) -> dict:
+    rounds = [8, 16, 32, 64]
+    ctx = long_contexts(tok, rounds)
+    res = {}
+    for mode in ("snail", "full"):
+        for r in rounds:
+            prompts = ctx[mode][r]
+            t = side_by_side({"round": lambda: generate(model, prompts, n_new, pad_id=tok.pad_token_id,
+                                                        generator=torch.Generator(device).manual_seed(0))},
+                             repeats, device)["round"]
+            res[f"{mode}_{r}"] = {"prompt_tokens": sum(map(len, prompts)) / len(prompts), "sec": t}
+    for mode in ("snail", "full"):
+        res[f"{mode}_ratio_64_vs_8"] = res[f"{mode}_64"]["sec"] / res[f"{mode}_8"]["sec"]
+    return res
+
+
+def bench_train_step(model, tok, device, steps: int) -> dict:
+    cfg = train.parse_args([])
+    model = copy.deepcopy(model)            # the update changes the weights; the other figures keep theirs
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=cfg.train_context, max_turns=cfg.max_turns,
+                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    rows = [train.rl_step(model, None, tok, opt, cfg, step, agent) for step in range(steps)]
+    med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)
+    out = {k: med(k) for k in ("sec_rollout", "sec_reward", "sec_update", "padding_waste")}
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if device.type == "cuda":
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def bench_padding(trajs, cfg: train.Config) -> dict:
+    samples = train.build_samples(trajs, torch.zeros(len(trajs)), None, None)
+    after = train.micro_batches(samples, cfg.micro_tokens)
+    size = -(-len(samples) // len(after))                     # same number of micro-batches, unsorted
+    before = [samples[i:i + size] for i in range(0, len(samples), size)]
+    return {"rows": len(samples), "micro_batches": len(after), "before": train.padding_waste(before),
+            "after": train.padding_waste(after)}
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Benchmark the rollout engine, reward scoring and a training step.")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and shorter decodes (under 3 minutes on CPU)")
+    p.add_argument("--checkpoint", default="", help="model folder (default: runs/default/final, else runs/bench_sft/final,"
+                                                    " trained on first use)")
+    p.add_argument("--model-shape", default="tiny", choices=["tiny", "qwen2.5-0.5b"],
+                   help="tiny: the checkpoint; qwen2.5-0.5b: a random model of that shape (bf16 on CUDA)")
+    p.add_argument("--repeats", type=int, default=0, help="timed repeats per figure (default 5, quick 3)")
+    p.add_argument("--train-steps", type=int, default=0, help="RL steps timed in figure 5 (default 2, quick 1)")
+    args = p.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 5)
+    device = torch.device(args.device)
+    t_start = time.time()
+    model, tok, source = load(args, device)
+    cfg = train.parse_args([])
+    n_new = 64 if args.quick else cfg.max_new_tokens
+
+    dec = bench_decode(model, tok, device, n_new, repeats)
+    ro = bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens)
+    trajs = ro.pop("trajs")                   # one sampled 8x8 rollout: scored in 3, collated in 6
+    sc = bench_scoring(model, tok, device, trajs, repeats)
+    cx = bench_context(model, tok, device, repeats)
+    pad = bench_padding(trajs, cfg)
+    st = bench_train_step(model, tok, device, args.train_steps or (1 if args.quick else 2))
+
+    s, g = ro["sampled"], ro["greedy"]
+    print(f"# bench.py  device={device}  model={source}  threads={torch.get_num_threads()}  "
+          f"repeats={repeats}  {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'figure':34s} {'ours':>12s} {'reference':>12s} {'ratio':>7s}")
+    print(f"{'1 decode tok/s (B=64, ' + str(n_new) + ' new)':34s} {dec['ours_tok_s']:12.0f} {dec['hf_tok_s']:12.0f} "
+          f"{dec['speedup']:7.2f}   greedy parity {dec['greedy_parity']}")
+    print(f"{'2 rollout traj/s (8x8, T=1)':34s} {s['ours_traj_s']:12.2f} {s['naive_traj_s']:12.2f} "
+          f"{s['speedup']:7.2f}   rounds/traj {s['rounds_ours']:.2f} vs {s['rounds_naive']:.2f}")
+    print(f"{'  rollout traj/s (8x8, greedy)':34s} {g['ours_traj_s']:12.2f} {g['naive_traj_s']:12.2f} "
+          f"{g['speedup']:7.2f}   identical trajectories {g['identical']}")
+    print("  on: prompt prefill shared across identical prompts (the G rollouts of a question); finished rows\n"
+          "      dropped from the batch; tool output prefilled with the next prompt in one chunk; static KV cache")
+    print(f"{'3 scoring s (2N=' + str(2 * sc['n']) + ')':34s} {sc.get('one_2n_s', 0):12.3f} {sc.get('two_n_s', 0):12.3f} "
+          f"{sc['speedup']:7.2f}   one 2N pass vs two N passes, max |dlogp| {sc.get('max_abs_diff', 0):.1e}")
+    print("4 context growth (batch 8, prefill + 30 new tokens)")
+    print(f"  {'round':>6s} {'snail tok':>10s} {'snail s':>8s} {'full tok':>9s} {'full s':>8s}")
+    for r in (8, 16, 32, 64):
+        a, b = cx[f"snail_{r}"], cx[f"full_{r}"]
+        print(f"  {r:6d} {a['prompt_tokens']:10.0f} {a['sec']:8.3f} {b['prompt_tokens']:9.0f} {b['sec']:8.3f}")
+    print(f"  round 64 / round 8: snail {cx['snail_ratio_64_vs_8']:.2f}   full {cx['full_ratio_64_vs_8']:.2f}")
+    print(f"5 train step (default config): rollout {st['sec_rollout']:.2f} s  reward {st['sec_reward']:.2f} s  "
+          f"update {st['sec_update']:.2f} s  peak RSS {st['peak_rss_mb']:.0f} MB"
+          + (f"  peak CUDA {st['peak_cuda_mb']:.0f} MB" if "peak_cuda_mb" in st else ""))
+    print(f"6 padding waste ({pad['rows']} rows, {pad['micro_batches']} micro-batches): unsorted {pad['before']:.3f}"
+          f"  sorted (train.micro_batches) {pad['after']:.3f}")
+    print(f"# total {time.time() - t_start:.0f} s")
+    print(json.dumps({
+        "decode_speedup": round(dec["speedup"], 3), "rollout_speedup": round(s["speedup"], 3),
+        "scoring_speedup": round(sc["speedup"], 3),
+        "snail_round_cost_ratio_64_vs_8": round(cx["snail_ratio_64_vs_8"], 3),
+        "full_round_cost_ratio_64_vs_8": round(cx["full_ratio_64_vs_8"], 3),
+        "padding_waste": round(pad["after"], 4), "padding_waste_unsorted": round(pad["before"], 4),
+        "decode_tok_s": {"ours": round(dec["ours_tok_s"]), "hf": round(dec["hf_tok_s"])},
+        "greedy_parity": dec["greedy_parity"], "rollout_greedy_speedup": round(g["speedup"], 3),
+        "rollout_greedy_identical": g["identical"],
+        "rollout_traj_s": {"ours": round(s["ours_traj_s"], 3), "naive": round(s["naive_traj_s"], 3)},
+        "train_step": {k: round(v, 3) for k, v in st.items()},
+        "device": str(device), "model": source, "quick": args.quick, "repeats": repeats,
+        "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t_start)}))
+
+
+if __name__ == "__main__":
+    main()

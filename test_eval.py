@@ -1,0 +1,60 @@
+"""Evaluation metrics and memory diagnostics, on expert trajectories replayed through the real tool."""
+import json
+
+import data
+from eval import mean_ci, memory_diagnostics, summarize
+from memory import Record, tool_record
+from rollout import Round, SearchTool, Trajectory, parse_action
+
+
+def replay(task, tool, gid, forget=False):
+    """An expert episode as a Trajectory, tool results from the real BM25 tool."""
+    traj = Trajectory(task.question, task.golds, gid, [1, 2], [Record("prompt", task.question)])
+    for text, query in data.expert_episode(task, forget):
+        kind, body = parse_action(text)
+        traj.rounds.append(Round([1, 2, 3], [], [4] * 5, text, 0, kind))
+        traj.records.append(Record("llm_gen", text))
+        if query is not None:
+            traj.records.append(tool_record("search_results", tool.search(" ".join(query))))
+        else:
+            traj.answer = body
+    return traj
+
+
+def test_perfect_expert_retains_everything_and_is_faithful():
+    world, tasks = data.make_tasks(31, 12, [3, 5], (1, 3))
+    tool = SearchTool(world.docs)
+    trajs = [replay(t, tool, i) for i, t in enumerate(tasks)]
+    d = memory_diagnostics(trajs, tasks)
+    assert d["retention"] == 1.0 and d["faithfulness"] == 1.0
+    s = summarize(trajs)
+    assert s["f1"] == 1.0 and s["em"] == 1.0 and s["valid"] == 1.0 and s["n"] == 12
+
+
+def test_forgetting_expert_loses_old_entities_not_new_ones():
+    world, tasks = data.make_tasks(32, 12, [4], (1, 2))
+    tool = SearchTool(world.docs)
+    trajs = [replay(t, tool, i, forget=True) for i, t in enumerate(tasks)]
+    d = memory_diagnostics(trajs, tasks)
+    assert d["retention_by_ago"]["1-1"] == 1.0          # what the last tool result showed is kept
+    assert d["retention"] < 0.8
+    assert d["faithfulness"] == 1.0                     # forgetting is not inventing
+    s = summarize(trajs)
+    assert abs(s["score"] - 0.25) < 1e-9 and s["em"] == 0.0   # only the last of 4 objectives answered
+
+
+def test_invented_memory_is_unfaithful():
+    world, tasks = data.make_tasks(33, 1, [2], (1, 1))
+    traj = replay(tasks[0], SearchTool(world.docs), 0)
+    r = traj.rounds[1]
+    traj.rounds[1] = Round(r.context_ids, r.prefix_ids, r.output_ids,
+                           r.text.replace("<mem> 1 =", "<mem> 1 = zzzz ; 1 ="), 0, r.action)
+    d = memory_diagnostics([traj], tasks)
+    assert 0 < d["faithfulness"] < 1.0
+    json.dumps(d)
+
+
+def test_mean_ci():
+    m, h = mean_ci([1.0, 2.0, 3.0])
+    assert m == 2.0 and abs(h - 4.30 * 1.0 / 3 ** 0.5) < 1e-9
+    assert mean_ci([5.0]) == (5.0, 0.0)
