@@ -20,21 +20,26 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
 3. **memory-reward scoring** (``scoring_speedup``): ``reward.answer_logprobs`` over the 2N
    (full_traj, mem_traj) contexts of those trajectories in one call vs two calls of N; ratio of the
    two-call time to the one-call time (> 1: the batched pass is faster), plus the max abs difference.
+   At ``memory_rewards``' default token budget (8192, ``scoring_speedup``) and at 65536
+   (``scoring_speedup_budget_65536``: one micro-batch padded to the longest full context).
 4. **context growth** (``snail_round_cost_ratio_64_vs_8``): 8 long expert episodes (22 objectives x
    3 hops = 67 rounds) rendered as the agent would see them at rounds 8, 16, 32, 64; one round of
    generation (prefill + 30 new tokens, batch 8) timed at each, ``snail`` vs ``full`` context.
-   The ratio is seconds at round 64 over seconds at round 8 for snail.
+   The ratio is seconds at round 64 over seconds at round 8 for snail; the prompt-token ratio is
+   printed beside it, since the snail prompt itself grows (``<mem>`` keeps one entry per objective).
 5. **a training step**: ``train.rl_step`` with the default config (``train.parse_args([])``) split into
    rollout / reward / update seconds, and the peak RSS of this process (peak CUDA memory on a GPU).
 6. **padding waste** (``padding_waste``): the fraction of token positions of the update forward that
    are padding, for the round samples of one step cut unsorted into the same number of micro-batches
-   (before) and by ``train.micro_batches`` (sorted by length, token budget; after).
+   (before) and by ``train.micro_batches`` (sorted by length, token budget; after); then, for
+   comparison, ``train.micro_batches`` at a quarter of the budget.
 
 A table on stdout, then ONE JSON line last. The agent loop needs a model that writes valid rounds:
 ``--checkpoint``, else ``runs/default/final``, else ``runs/bench_sft/final``, which the first run
 trains with the test suite's SFT recipe (``conftest.SFT_ARGS``, a few minutes; not counted in the
-``--quick`` budget) and later runs reuse. With ``--model-shape qwen2.5-0.5b`` the model is random (Qwen2.5-0.5B's body,
-the world tokenizer's vocabulary), so its rounds rarely end in an action and trajectories are short.
+``--quick`` budget) and later runs reuse. With ``--model-shape qwen2.5-0.5b`` the model is random
+(Qwen2.5-0.5B's body, the world tokenizer's vocabulary), so its rounds rarely end in an action:
+trajectories are one round, nothing is scored in 3, and the update of 5 is skipped (all scores 0).
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ import rollout as engine
 import train
 from memory import Record, mem_traj, prepare_prompt, tool_record
 from reward import answer_logprobs, answer_template
-from rollout import AgentConfig, SearchTool, encode_chat, generate, left_pad, stop_sequences
+from rollout import AgentConfig, SearchTool, encode_chat, generate, left_pad
 
 DEFAULT_CHECKPOINTS = ["runs/default/final", "runs/bench_sft/final"]
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -85,6 +90,7 @@ def load(args, device: torch.device):
 
 
 def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock times are the work's."""
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -134,6 +140,7 @@ def naive_rollout(*args, **kwargs):
 # --------------------------------------------------------------------------- the six figures
 
 def bench_decode(model, tok, device, n_new: int, repeats: int) -> dict:
+    """Figure 1: tokens/s of ``generate`` vs ``model.generate`` (B=64, sampling), and greedy parity."""
     rng = random.Random(0)
     prompts = [[rng.randrange(5, len(tok)) for _ in range(rng.randint(8, 64))] for _ in range(64)]
     pad = tok.pad_token_id
@@ -152,11 +159,11 @@ def bench_decode(model, tok, device, n_new: int, repeats: int) -> dict:
     greedy_hf = hf_generate(model, prompts, n_new, pad_id=pad, temperature=0.0)
     n = len(prompts) * n_new
     return {"ours_tok_s": n / t["ours"], "hf_tok_s": n / t["hf"], "speedup": t["hf"] / t["ours"],
-            "greedy_parity": greedy_ours == greedy_hf,
-            "greedy_rows_equal": sum(a == b for a, b in zip(greedy_ours, greedy_hf)) / len(prompts)}
+            "greedy_parity": greedy_ours == greedy_hf}
 
 
 def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: int) -> dict:
+    """Figure 2: trajectories/s of the agent loop vs the same loop on ``model.generate``; sampled and greedy."""
     tasks, tool = train.rl_tasks(cfg, step=0)
     res = {}
     for temp in (1.0, 0.0):
@@ -169,7 +176,8 @@ def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: 
             def f():
                 seed = next(seeds[name])
                 torch.manual_seed(seed)
-                last[name] = loop(model, tok, tasks, cfg.group, tool, agent, torch.Generator(device).manual_seed(seed))
+                gen = torch.Generator(device).manual_seed(seed)
+                last[name] = loop(model, tok, tasks, cfg.group, tool, agent, gen)
             return f
 
         t = side_by_side({"ours": run("ours", engine.rollout), "naive": run("naive", naive_rollout)},
@@ -188,22 +196,29 @@ def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: 
     return res
 
 
-def bench_scoring(model, tok, device, trajs, repeats: int) -> dict:
+def bench_scoring(model, tok, device, trajs, repeats: int, budgets=(65536, 8192)) -> dict:
+    """Figure 3: one ``answer_logprobs`` call over 2N contexts vs two calls over N, per token budget."""
     scored = [(t, r) for t in trajs for i, r in enumerate(t.rounds) if i >= 1 and r.mem_end > 0]
     if not scored:
-        return {"n": 0, "speedup": float("nan")}
+        return {"n": 0}
     full = [r.context_ids for _, r in scored]
     mem = [mem_traj(t.prompt_ids, r.round_ids, r.mem_end) for t, r in scored]
     ans = [answer_template(tok, t.golds)[0] for t, _ in scored]
     pad = tok.pad_token_id
-    out = {}
-    t = side_by_side({"one_2n": lambda: out.__setitem__("one", answer_logprobs(model, full + mem, ans + ans, pad)),
-                      "two_n": lambda: out.__setitem__("two", answer_logprobs(model, full, ans, pad)
-                                                       + answer_logprobs(model, mem, ans, pad))},
-                     repeats, device)
-    diff = max((a - b).abs().max().item() for a, b in zip(out["one"], out["two"]))
-    return {"n": len(scored), "one_2n_s": t["one_2n"], "two_n_s": t["two_n"], "speedup": t["two_n"] / t["one_2n"],
-            "max_abs_diff": diff}
+    res = {"n": len(scored)}
+    for b in budgets:        # 8192 = memory_rewards' default token budget
+        out = {}
+        def one():
+            out["one"] = answer_logprobs(model, full + mem, ans + ans, pad, b)
+
+        def two():
+            out["two"] = answer_logprobs(model, full, ans, pad, b) + answer_logprobs(model, mem, ans, pad, b)
+
+        t = side_by_side({"one_2n": one, "two_n": two}, repeats, device)
+        diff = max((x - y).abs().max().item() for x, y in zip(out["one"], out["two"]))
+        res[b] = {"one_2n_s": t["one_2n"], "two_n_s": t["two_n"], "speedup": t["two_n"] / t["one_2n"],
+                  "max_abs_diff": diff}
+    return res
 
 
 def long_contexts(tok, rounds: list[int], n_episodes: int = 8) -> dict[str, dict[int, list[list[int]]]]:
@@ -219,23 +234,26 @@ def long_contexts(tok, rounds: list[int], n_episodes: int = 8) -> dict[str, dict
         for t, (text, query) in enumerate(data.expert_episode(task)):
             if t + 1 in rounds:
                 for mode, keep in (("snail", 1), ("full", None)):
-                    out[mode][t + 1].append(encode_chat(tok, prepare_prompt(records, data.SYSTEM_PROMPT, keep)) + prefix)
+                    ctx = encode_chat(tok, prepare_prompt(records, data.SYSTEM_PROMPT, keep))
+                    out[mode][t + 1].append(ctx + prefix)
             records.append(Record("llm_gen", text))
             if query is not None:
                 records.append(tool_record("search_results", tool.search(" ".join(query))))
     return out
 
 
-def bench_context(model, tok, device, repeats: int, n_new: int = 30) -> dict:
+def bench_context(model, tok, device, repeats: int, quick: bool, n_new: int = 30) -> dict:
+    """Figure 4: seconds of one round (batch 8) at rounds 8..64 of long episodes, snail vs full."""
     rounds = [8, 16, 32, 64]
     ctx = long_contexts(tok, rounds)
     res = {}
     for mode in ("snail", "full"):
         for r in rounds:
             prompts = ctx[mode][r]
+            n = 2 * repeats if mode == "snail" else (1 if quick else repeats)    # snail rounds are cheap
             t = side_by_side({"round": lambda: generate(model, prompts, n_new, pad_id=tok.pad_token_id,
                                                         generator=torch.Generator(device).manual_seed(0))},
-                             repeats, device)["round"]
+                             n, device)["round"]
             res[f"{mode}_{r}"] = {"prompt_tokens": sum(map(len, prompts)) / len(prompts), "sec": t}
     for mode in ("snail", "full"):
         res[f"{mode}_ratio_64_vs_8"] = res[f"{mode}_64"]["sec"] / res[f"{mode}_8"]["sec"]
@@ -243,6 +261,7 @@ def bench_context(model, tok, device, repeats: int, n_new: int = 30) -> dict:
 
 
 def bench_train_step(model, tok, device, steps: int) -> dict:
+    """Figure 5: ``train.rl_step`` seconds by phase (on a copy of the model) and peak memory."""
     cfg = train.parse_args([])
     model = copy.deepcopy(model)            # the update changes the weights; the other figures keep theirs
     agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=cfg.train_context, max_turns=cfg.max_turns,
@@ -253,6 +272,7 @@ def bench_train_step(model, tok, device, steps: int) -> dict:
     rows = [train.rl_step(model, None, tok, opt, cfg, step, agent) for step in range(steps)]
     med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)
     out = {k: med(k) for k in ("sec_rollout", "sec_reward", "sec_update", "padding_waste")}
+    out["skipped_updates"] = sum("skipped" in r for r in rows)       # e.g. every score tied: nothing to learn
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device.type == "cuda":
         out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -260,12 +280,15 @@ def bench_train_step(model, tok, device, steps: int) -> dict:
 
 
 def bench_padding(trajs, cfg: train.Config) -> dict:
+    """Figure 6: padding fraction of the update forward, unsorted vs ``train.micro_batches``."""
     samples = train.build_samples(trajs, torch.zeros(len(trajs)), None, None)
     after = train.micro_batches(samples, cfg.micro_tokens)
     size = -(-len(samples) // len(after))                     # same number of micro-batches, unsorted
     before = [samples[i:i + size] for i in range(0, len(samples), size)]
+    small = train.micro_batches(samples, cfg.micro_tokens // 4)
     return {"rows": len(samples), "micro_batches": len(after), "before": train.padding_waste(before),
-            "after": train.padding_waste(after)}
+            "after": train.padding_waste(after), "small_budget": train.padding_waste(small),
+            "small_budget_batches": len(small)}
 
 
 # --------------------------------------------------------------------------- main
@@ -274,8 +297,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Benchmark the rollout engine, reward scoring and a training step.")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--quick", action="store_true", help="fewer repeats and shorter decodes (under 3 minutes on CPU)")
-    p.add_argument("--checkpoint", default="", help="model folder (default: runs/default/final, else runs/bench_sft/final,"
-                                                    " trained on first use)")
+    p.add_argument("--checkpoint", default="",
+                   help="model folder (default: runs/default/final, else runs/bench_sft/final, trained on first use)")
     p.add_argument("--model-shape", default="tiny", choices=["tiny", "qwen2.5-0.5b"],
                    help="tiny: the checkpoint; qwen2.5-0.5b: a random model of that shape (bf16 on CUDA)")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats per figure (default 5, quick 3)")
@@ -292,49 +315,61 @@ def main(argv=None) -> None:
     ro = bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens)
     trajs = ro.pop("trajs")                   # one sampled 8x8 rollout: scored in 3, collated in 6
     sc = bench_scoring(model, tok, device, trajs, repeats)
-    cx = bench_context(model, tok, device, repeats)
     pad = bench_padding(trajs, cfg)
-    st = bench_train_step(model, tok, device, args.train_steps or (1 if args.quick else 2))
+    st = bench_train_step(model, tok, device, args.train_steps or (1 if args.quick else 2))   # before 4: peak RSS
+    cx = bench_context(model, tok, device, repeats, args.quick)
 
     s, g = ro["sampled"], ro["greedy"]
-    print(f"# bench.py  device={device}  model={source}  threads={torch.get_num_threads()}  "
-          f"repeats={repeats}  {time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"{'figure':34s} {'ours':>12s} {'reference':>12s} {'ratio':>7s}")
-    print(f"{'1 decode tok/s (B=64, ' + str(n_new) + ' new)':34s} {dec['ours_tok_s']:12.0f} {dec['hf_tok_s']:12.0f} "
-          f"{dec['speedup']:7.2f}   greedy parity {dec['greedy_parity']}")
-    print(f"{'2 rollout traj/s (8x8, T=1)':34s} {s['ours_traj_s']:12.2f} {s['naive_traj_s']:12.2f} "
-          f"{s['speedup']:7.2f}   rounds/traj {s['rounds_ours']:.2f} vs {s['rounds_naive']:.2f}")
-    print(f"{'  rollout traj/s (8x8, greedy)':34s} {g['ours_traj_s']:12.2f} {g['naive_traj_s']:12.2f} "
-          f"{g['speedup']:7.2f}   identical trajectories {g['identical']}")
-    print("  on: prompt prefill shared across identical prompts (the G rollouts of a question); finished rows\n"
-          "      dropped from the batch; tool output prefilled with the next prompt in one chunk; static KV cache")
-    print(f"{'3 scoring s (2N=' + str(2 * sc['n']) + ')':34s} {sc.get('one_2n_s', 0):12.3f} {sc.get('two_n_s', 0):12.3f} "
-          f"{sc['speedup']:7.2f}   one 2N pass vs two N passes, max |dlogp| {sc.get('max_abs_diff', 0):.1e}")
-    print("4 context growth (batch 8, prefill + 30 new tokens)")
+    print(f"# python bench.py{' --quick' if args.quick else ''}  device={device}  model={source}  "
+          f"threads={torch.get_num_threads()}  repeats={repeats}  {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'figure':40s} {'ours':>10s} {'reference':>10s} {'ratio':>6s}")
+    row = lambda name, a, b, r, note: print(f"{name:40s} {a:10.3f} {b:10.3f} {r:6.2f}   {note}")
+    row(f"1 decode tok/s/1000 (B=64, {n_new} new, T=1)", dec["ours_tok_s"] / 1e3, dec["hf_tok_s"] / 1e3,
+        dec["speedup"], f"vs model.generate; greedy parity {dec['greedy_parity']}")
+    row("2 rollout traj/s (8 x G=8, snail, T=1)", s["ours_traj_s"], s["naive_traj_s"], s["speedup"],
+        f"vs model.generate per round; rounds/traj {s['rounds_ours']:.2f} vs {s['rounds_naive']:.2f}")
+    row("  rollout traj/s (same, greedy)", g["ours_traj_s"], g["naive_traj_s"], g["speedup"],
+        f"identical trajectories {g['identical']}")
+    print("  on: prompt prefill shared by identical prompts (the G rollouts of a question, prefilled once,\n"
+          "  cache rows repeated); finished rows dropped; tool output prefilled with the next prompt as one\n"
+          "  chunk; static KV cache; 4D mask passed through; inverse-CDF sampling")
+    for b in (65536, 8192):
+        if b in sc:
+            x = sc[b]
+            row(f"3 scoring s, 2N={2 * sc['n']}, budget {b}", x["one_2n_s"], x["two_n_s"], x["speedup"],
+                f"one 2N pass vs two N passes; max |dlogp| {x['max_abs_diff']:.1e}")
+    print(f"4 context growth: one round, batch 8, prefill + 30 new tokens")
     print(f"  {'round':>6s} {'snail tok':>10s} {'snail s':>8s} {'full tok':>9s} {'full s':>8s}")
     for r in (8, 16, 32, 64):
         a, b = cx[f"snail_{r}"], cx[f"full_{r}"]
         print(f"  {r:6d} {a['prompt_tokens']:10.0f} {a['sec']:8.3f} {b['prompt_tokens']:9.0f} {b['sec']:8.3f}")
-    print(f"  round 64 / round 8: snail {cx['snail_ratio_64_vs_8']:.2f}   full {cx['full_ratio_64_vs_8']:.2f}")
-    print(f"5 train step (default config): rollout {st['sec_rollout']:.2f} s  reward {st['sec_reward']:.2f} s  "
-          f"update {st['sec_update']:.2f} s  peak RSS {st['peak_rss_mb']:.0f} MB"
+    tok_growth = cx["snail_64"]["prompt_tokens"] / cx["snail_8"]["prompt_tokens"]
+    print(f"  round 64 / round 8 seconds: snail {cx['snail_ratio_64_vs_8']:.2f} (its prompt grows {tok_growth:.2f}x: "
+          f"<mem> keeps one entry per objective)   full {cx['full_ratio_64_vs_8']:.2f}")
+    print(f"5 train step (default config, median of {args.train_steps or (1 if args.quick else 2)}): rollout "
+          f"{st['sec_rollout']:.2f} s  reward {st['sec_reward']:.2f} s  update {st['sec_update']:.2f} s  "
+          f"peak RSS {st['peak_rss_mb']:.0f} MB  skipped updates {st['skipped_updates']}"
           + (f"  peak CUDA {st['peak_cuda_mb']:.0f} MB" if "peak_cuda_mb" in st else ""))
-    print(f"6 padding waste ({pad['rows']} rows, {pad['micro_batches']} micro-batches): unsorted {pad['before']:.3f}"
-          f"  sorted (train.micro_batches) {pad['after']:.3f}")
+    print(f"6 padding waste, {pad['rows']} round samples of one step: unsorted in {pad['micro_batches']} "
+          f"micro-batches {pad['before']:.3f} | train.micro_batches (sorted, budget {cfg.micro_tokens}) "
+          f"{pad['after']:.3f} | same at budget {cfg.micro_tokens // 4} ({pad['small_budget_batches']} micro-batches) "
+          f"{pad['small_budget']:.3f}")
     print(f"# total {time.time() - t_start:.0f} s")
+    r3 = lambda x: round(x, 3)
     print(json.dumps({
-        "decode_speedup": round(dec["speedup"], 3), "rollout_speedup": round(s["speedup"], 3),
-        "scoring_speedup": round(sc["speedup"], 3),
-        "snail_round_cost_ratio_64_vs_8": round(cx["snail_ratio_64_vs_8"], 3),
-        "full_round_cost_ratio_64_vs_8": round(cx["full_ratio_64_vs_8"], 3),
-        "padding_waste": round(pad["after"], 4), "padding_waste_unsorted": round(pad["before"], 4),
+        "decode_speedup": r3(dec["speedup"]), "rollout_speedup": r3(s["speedup"]),
+        "scoring_speedup": r3(sc[8192]["speedup"]) if sc["n"] else None,
+        "snail_round_cost_ratio_64_vs_8": r3(cx["snail_ratio_64_vs_8"]), "padding_waste": r3(pad["after"]),
+        "full_round_cost_ratio_64_vs_8": r3(cx["full_ratio_64_vs_8"]), "snail_prompt_growth_64_vs_8": r3(tok_growth),
+        "scoring_speedup_budget_65536": r3(sc[65536]["speedup"]) if sc["n"] else None,
+        "padding_waste_unsorted": r3(pad["before"]), "padding_waste_small_budget": r3(pad["small_budget"]),
         "decode_tok_s": {"ours": round(dec["ours_tok_s"]), "hf": round(dec["hf_tok_s"])},
-        "greedy_parity": dec["greedy_parity"], "rollout_greedy_speedup": round(g["speedup"], 3),
-        "rollout_greedy_identical": g["identical"],
-        "rollout_traj_s": {"ours": round(s["ours_traj_s"], 3), "naive": round(s["naive_traj_s"], 3)},
-        "train_step": {k: round(v, 3) for k, v in st.items()},
-        "device": str(device), "model": source, "quick": args.quick, "repeats": repeats,
-        "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t_start)}))
+        "greedy_parity": dec["greedy_parity"],
+        "rollout_traj_s": {"ours": r3(s["ours_traj_s"]), "naive": r3(s["naive_traj_s"])},
+        "rollout_greedy_speedup": r3(g["speedup"]), "rollout_greedy_identical": g["identical"],
+        "train_step": {k: r3(v) for k, v in st.items()}, "device": str(device), "model": source,
+        "quick": args.quick, "repeats": repeats, "date": time.strftime("%Y-%m-%d"),
+        "seconds": round(time.time() - t_start)}))
 
 
 if __name__ == "__main__":

@@ -198,7 +198,7 @@ def answer_template(tokenizer, golds: list[list[str]], think: str = "answer") ->
 
 @torch.no_grad()
 def answer_logprobs(model, contexts: list[list[int]], answers: list[list[int]], pad_id: int,
-                    token_budget: int = 65536) -> list[Tensor]:
+                    token_budget: int = 8192) -> list[Tensor]:
     """log p(answer[i][j] | context[i] + answer[i][:j]) -> one (len(answers[i]),) float32 tensor per row."""
     if any(not c for c in contexts):
         raise ValueError("every context needs at least one token")
@@ -254,7 +254,7 @@ def mem_grounded(mem: str, sources: list[str]) -> bool:
 
 def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float = 0.5,
                    mask_mode: str = "separate", think: str = "answer",
-                   token_budget: int = 65536, gate: bool = False) -> dict:
+                   token_budget: int = 8192, gate: bool = False) -> dict:
     """mem_reward = P_mem - P_full for every round >= 2 with a <mem> span, all 2N pairs in one pass.
 
     ``gate``: a memory that is not ``mem_grounded`` in the question and earlier tool results gets

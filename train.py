@@ -86,7 +86,7 @@ class Config:
     kl_coef: float = 0.0
     agg: str = "token-mean"
     ppo_epochs: int = 1
-    micro_tokens: int = 16384
+    micro_tokens: int = 4096
     grad_clip: float = 1.0
     threshold: float = 0.5
     mem_mask: str = "separate"     # separate (seed) | full
@@ -324,7 +324,7 @@ def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: 
         n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
-        for mb in micro_batches(samples, cfg.micro_tokens // 4):     # sorted by length: little padding
+        for mb in micro_batches(samples, cfg.micro_tokens):          # sorted by length: little padding
             part = sft_loss(model, collate(mb, tokenizer.pad_token_id, device), n_tokens)
             part.backward()
             loss += part.item()
