@@ -137,8 +137,13 @@ def make_task(world: World, rng: random.Random, n_objectives: int, hops: tuple[i
             chain.append((cur, r, nxt))
             cur = nxt
         objectives.append(Objective(ent, rels, chain))
-    question = " ".join(f"{k + 1} : {o.start} {' '.join(o.relations)} ?" for k, o in enumerate(objectives))
-    return Task(question, [[o.answer] for o in objectives], objectives)
+    return Task(format_question([[o.start] + o.relations for o in objectives]), [[o.answer] for o in objectives],
+                objectives)
+
+
+def format_question(chains: list[list[str]]) -> str:
+    """``[["kalo", "friend", "boss"], ...]`` -> ``1 : kalo friend boss ? 2 : ...`` (chain order)."""
+    return " ".join(f"{k + 1} : {' '.join(chain)} ?" for k, chain in enumerate(chains))
 
 
 def make_tasks(world_seed: int, n: int, objectives: list[int], hops: tuple[int, int] = (1, 3),

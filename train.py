@@ -287,17 +287,17 @@ def copy_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
 
     A 2-layer model learns to copy a name from its context only after a long loss plateau; on the
     expert episodes that plateau outlasted 800 SFT steps, on these short rows it ends in a few
-    hundred cheap steps, after which the expert episodes are learnt quickly.
+    hundred cheap steps. (It does not make the expert episodes easy: see the README's results.)
     """
     rng = random.Random(cfg.seed * 3_000_017 + step)
     names = data.name_pool()
     out = []
     for _ in range(cfg.sft_batch):
-        objs = [(rng.choice(names), [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))])
-                for _ in range(rng.randint(1, 4))]
-        question = " ".join(f"{k + 1} : {e} {' '.join(rs)} ?" for k, (e, rs) in enumerate(objs))
+        chains = [[rng.choice(names)] + [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))]
+                  for _ in range(rng.randint(1, 4))]
+        question = data.format_question(chains)
         ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], data.SYSTEM_PROMPT))
-        mem = " ; ".join(f"{k + 1} = {e} {' '.join(rs)}" for k, (e, rs) in enumerate(objs))
+        mem = data.format_mem(dict(enumerate(chains)))
         out.append(Sample(ctx + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False), len(ctx)))
     return out
 
