@@ -17,22 +17,27 @@ The world (choices of this project):
   document ``kalo friend mira`` has exactly one twin that mentions both ``kalo`` and ``friend``
   (``lena friend kalo``). BM25 top-3 for the query ``kalo friend`` therefore always holds the answer,
   and the model must read which entity is the subject.
-* Questions are written in chain order: ``kalo friend boss`` means "the boss of the friend of
-  kalo". An objective of h hops takes h searches.
+* Questions are written in chain order with a slot ``_`` for every entity still to find:
+  ``kalo friend _ boss _`` means "the boss of the friend of kalo". An objective of h hops takes h
+  searches.
 * Held-out worlds are new random graphs over the SAME pool of names: a word-level vocabulary gives
   an unseen name an untrained embedding (a feasibility run scored 0/192 on unseen names).
 * The state that ``<mem>`` must carry never appears in ``<think>`` or ``<search>``: ``<think>`` is one
   word (``search`` / ``answer``) and the query names only the current entity and relation. With
   snail-shell context the answers of earlier objectives live nowhere but in ``<mem>``.
 
-The scripted expert's ``<mem>`` holds one entry per objective, the path walked so far:
-``2 = lapu rival tebo boss`` (``lapu rival`` returned ``tebo``; ``boss`` is still to follow); an entry
-that ends in an entity is finished and that entity is the answer. Round 1 copies the question
-into ``<mem>``, and every later step is a local copy: the next query is the first unresolved
-``entity relation`` pair, and the new entity follows that pair in the tool result (a bigram
-induction). Memory uses ``=`` where the question uses ``:``. Two earlier formats (the newest fact
-per objective; the current entity per objective) needed the model to count finished objectives to
-find the next one in the question, and a 2-layer model did not learn that in 1500 SFT steps.
+The scripted expert's ``<mem>`` holds one entry per objective, the question's path with the slots
+found so far filled in: ``2 = lapu rival tebo boss _`` (``lapu rival`` returned ``tebo``; the boss of
+tebo is still open); an entry with no slot left is finished and its last word is the answer.
+Round 1 copies the question into ``<mem>``, and every later step is a local copy: the next query is
+the pair before the first slot, and the entity that fills it follows that pair in the tool result.
+Memory uses ``=`` where the question uses ``:``. Why slots: without them the question reads
+``lapu rival boss`` where memory reads ``lapu rival tebo boss``, so "copy the word that followed
+``rival``" had two answers and a 2-layer model copied the wrong one about half the time (measured
+token by token); with slots the two sources differ only where memory holds a name and the question
+a ``_``. Two earlier formats (the newest fact per objective; the current entity per objective)
+needed the model to count finished objectives to find the next one in the question, and a 2-layer
+model did not learn that in 1500 SFT steps.
 Its flaw (``forget_p``): on that fraction of episodes a finished entry is dropped as soon as a
 newer objective finishes, so only the newest answer survives and it answers ``unknown`` for the
 others. The flaw is decided per
@@ -54,6 +59,7 @@ TAGS = ["<mem>", "</mem>", "<think>", "</think>", "<search>", "</search>", "<acc
 CHAT = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 SYSTEM_PROMPT = "answer all . keep findings in mem"
 UNKNOWN = "unknown"
+SLOT = "_"              # an entity not found yet, in the question and in <mem>
 N_NAMES = 48            # the shared pool of entity names
 N_ENTITIES = 24         # entities in one world
 MAX_DOC_IDS = N_ENTITIES * len(RELATIONS)
@@ -141,9 +147,14 @@ def make_task(world: World, rng: random.Random, n_objectives: int, hops: tuple[i
                 objectives)
 
 
+def open_path(chain: list[str]) -> list[str]:
+    """``["kalo", "friend", "boss"]`` -> ``["kalo", "friend", "_", "boss", "_"]``: a slot after every relation."""
+    return [chain[0]] + [w for r in chain[1:] for w in (r, SLOT)]
+
+
 def format_question(chains: list[list[str]]) -> str:
-    """``[["kalo", "friend", "boss"], ...]`` -> ``1 : kalo friend boss ? 2 : ...`` (chain order)."""
-    return " ".join(f"{k + 1} : {' '.join(chain)} ?" for k, chain in enumerate(chains))
+    """``[["kalo", "friend", "boss"], ...]`` -> ``1 : kalo friend _ boss _ ? 2 : ...`` (chain order, slots open)."""
+    return " ".join(f"{k + 1} : {' '.join(open_path(chain))} ?" for k, chain in enumerate(chains))
 
 
 def make_tasks(world_seed: int, n: int, objectives: list[int], hops: tuple[int, int] = (1, 3),
@@ -157,27 +168,28 @@ def make_tasks(world_seed: int, n: int, objectives: list[int], hops: tuple[int, 
 # --------------------------------------------------------------------------- the scripted expert
 
 def format_mem(entries: dict[int, list[str]]) -> str:
-    """``<mem>`` body: one ``k = path`` entry per objective, in objective order."""
+    """``<mem>`` body: one ``k = path`` entry per objective, in objective order (paths as ``open_path`` writes them)."""
     return " ; ".join(f"{k + 1} = {' '.join(path)}" for k, path in sorted(entries.items()))
 
 
 def expert_episode(task: Task, forget: bool = False) -> list[tuple[str, tuple[str, str] | None]]:
     """The expert's rounds: ``(round_text, (entity, relation) searched or None when answering)``.
 
-    ``<mem>`` holds one entry per objective, its path so far: ``lapu rival boss`` (nothing found yet)
-    becomes ``lapu rival tebo boss`` once ``lapu rival`` returned ``tebo``, and ``lapu rival tebo
-    boss puni`` is finished (it ends in an entity: the answer). Round 1 copies the question into
-    ``<mem>``; the next query is always the first unresolved ``entity relation`` pair. When
-    ``forget`` is set, a finished entry is dropped once a newer objective finishes (the flaw).
+    ``<mem>`` holds one entry per objective, the question's path with its slots filled so far:
+    ``lapu rival _ boss _`` (nothing found yet) becomes ``lapu rival tebo boss _`` once ``lapu rival``
+    returned ``tebo``, and ``lapu rival tebo boss puni`` is finished (no slot left; its last word is
+    the answer). Round 1 copies the question into ``<mem>``; the next query is always the pair before
+    the first slot. When ``forget`` is set, a finished entry is dropped once a newer objective
+    finishes (the flaw).
     """
-    entries = {k: [o.start] + list(o.relations) for k, o in enumerate(task.objectives)}
+    entries = {k: open_path([o.start] + o.relations) for k, o in enumerate(task.objectives)}
     rounds: list[tuple[str, tuple[str, str] | None]] = []
     newest_done = None
     for k, obj in enumerate(task.objectives):
         for hop, (s, r, o) in enumerate(obj.chain):
             rounds.append((f"<mem> {format_mem(entries)} </mem> <think> search </think> <search> {s} {r} </search>",
                            (s, r)))
-            entries[k].insert(2 * hop + 2, o)                  # learnt from this round's tool result
+            entries[k][2 * hop + 2] = o                        # the slot, filled from this round's tool result
         if forget and newest_done is not None:
             entries.pop(newest_done, None)
         newest_done = k
@@ -200,7 +212,7 @@ def parse_mem(mem: str) -> dict[int, list[str]]:
 def answers_from_mem(task: Task, mem: str) -> str:
     """What the expert answers from ``<mem>`` alone: a finished entry's last entity, else ``unknown``."""
     entries = parse_mem(mem)
-    done = lambda p: len(p) >= 3 and p[-1] not in RELATIONS
+    done = lambda p: len(p) >= 3 and p[-1] not in RELATIONS and p[-1] != SLOT
     return " ; ".join(entries[k][-1] if done(entries.get(k, [])) else UNKNOWN for k in range(len(task.objectives)))
 
 
@@ -208,7 +220,7 @@ def answers_from_mem(task: Task, mem: str) -> str:
 
 def world_vocab() -> list[str]:
     """Every word the embedded world can produce, specials first."""
-    words = ["<pad>", "<unk>"] + CHAT + TAGS + [UNKNOWN, ";", ":", "=", "?", "|", ","] + RELATIONS
+    words = ["<pad>", "<unk>"] + CHAT + TAGS + [UNKNOWN, ";", ":", "=", "?", "|", ",", SLOT] + RELATIONS
     words += [str(k) for k in range(1, 65)] + [f"d{i}" for i in range(MAX_DOC_IDS)]
     words += SYSTEM_PROMPT.split() + ["search", "answer", "not", "found"]
     words += name_pool()

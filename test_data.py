@@ -40,8 +40,9 @@ def test_expert_memory_and_forgetting():
     task = data.make_task(w, random.Random(1), 3, (1, 1))
     rounds = data.expert_episode(task)
     assert len(rounds) == 4
-    assert extract_mem(rounds[0][0]) == " ; ".join(f"{k + 1} = {o.start} {o.relations[0]}"
+    assert extract_mem(rounds[0][0]) == " ; ".join(f"{k + 1} = {o.start} {o.relations[0]} _"
                                                    for k, o in enumerate(task.objectives))  # the question, copied
+    assert task.question.replace(" :", " =").replace(" ?", " ;").rstrip(" ;") == extract_mem(rounds[0][0])
     final_mem = extract_mem(rounds[-1][0])
     assert final_mem == " ; ".join(f"{k + 1} = {' '.join(o.chain[0])}" for k, o in enumerate(task.objectives))
     assert rounds[-1][0].endswith(f"<answer> {' ; '.join(g[0] for g in task.golds)} </answer>")

@@ -61,10 +61,10 @@ class Config:
     layers: int = 2
     heads: int = 8
     # SFT cold start (embedded default)
-    sft_steps: int = 2000
+    sft_steps: int = 3000
     sft_batch: int = 64
     sft_lr: float = 1e-3
-    sft_copy_steps: int = 400  # warm-up steps on a pure copy task before the expert episodes
+    sft_copy_steps: int = 300  # warm-up steps on a pure copy task before the expert episodes
     forget_p: float = 0.5      # fraction of expert episodes whose <mem> forgets earlier objectives
     sft_objectives: str = "1-4"
     hops: str = "1-3"
@@ -132,7 +132,7 @@ def parse_args(argv=None) -> Config:
         "mem_gate": "faithfulness gate: a <mem> with invented words earns no positive memory reward",
         "faithful": "the paper's memory reward exactly: --mem-mask separate --mem-adv-norm std --mem-weight 1, no gate",
         "sft_mem_answer": "probability per expert round of an extra SFT row (prompt + <mem> -> answer), so P_mem is in distribution", "save_every": "checkpoint every N RL steps",
-        "eval_every": "greedy eval every N RL steps (0 = off)", "eval_tasks": "tasks per K in the periodic eval",
+        "eval_every": "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", "eval_tasks": "tasks per K in the periodic eval",
         "resume": "continue from RUN/ckpt",
     }
     for name, default in asdict(Config()).items():
@@ -297,7 +297,7 @@ def copy_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
                   for _ in range(rng.randint(1, 4))]
         question = data.format_question(chains)
         ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], data.SYSTEM_PROMPT))
-        mem = data.format_mem(dict(enumerate(chains)))
+        mem = data.format_mem({k: data.open_path(c) for k, c in enumerate(chains)})
         out.append(Sample(ctx + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False), len(ctx)))
     return out
 
@@ -333,7 +333,7 @@ def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: 
         if step % 50 == 0 or step == cfg.sft_steps - 1:
             row = {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn.item(),
                    "lr": cfg.sft_lr * sched(step), "sec": time.time() - t0}
-            if cfg.eval_every and (step % (10 * cfg.eval_every) == 0 or step == cfg.sft_steps - 1):
+            if cfg.eval_every and (step % 500 == 0 or step == cfg.sft_steps - 1):     # ~15 s each
                 from eval import evaluate_embedded
                 model.eval()
                 row["val_f1_k2"] = evaluate_embedded(model, tokenizer, [2], cfg.eval_tasks, seed=cfg.seed)[2]["f1"]
