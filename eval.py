@@ -184,22 +184,79 @@ def load(path: str, device):
 
 def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, context: str,
             max_turns: int, hops: tuple[int, int], device) -> dict:
-    """Per variant (a list of runs, one per seed) and K: mean and 95% interval of each metric."""
+    """Per variant (a list of runs, one per seed) and K: mean and 95% interval of each metric.
+
+    Besides the outcome metrics it keeps each run's memory retention by rounds-ago (pooled over K),
+    so a variant that forgets shows it here and in the plot of ``plot_compare``.
+    """
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=context, max_turns=max_turns,
+                        max_new_tokens=128, temperature=0.0)
+    metrics = ("f1", "em", "valid", "tt", "pt", "turns", "retention")
     out: dict = {}
     for name, runs in variants.items():
         per_run = []
         for run in runs:
             model, tok = load(run, device)
-            per_run.append(evaluate_embedded(model, tok, ks, n, 0, split, context, max_turns, hops))
-        out[name] = {k: {m: mean_ci([r[k][m] for r in per_run]) for m in ("f1", "em", "valid", "tt", "pt", "turns")}
-                     for k in ks}
+            res, trajs_all, tasks_all = {}, [], []
+            for k in ks:
+                tasks, tool = embedded_tasks(k, n, 0, split, hops)
+                trajs = run_episodes(model, tok, tasks, tool, agent)
+                res[k] = summarize(trajs) | {"retention": memory_diagnostics(trajs, tasks)["retention"]}
+                for t in trajs:                                  # pool K: index into tasks_all
+                    t.group_id += len(tasks_all)
+                trajs_all += trajs
+                tasks_all += tasks
+            res["by_ago"] = memory_diagnostics(trajs_all, tasks_all)["retention_by_ago"]
+            per_run.append(res)
+        nan_free = lambda xs: [x for x in xs if x == x] or [float("nan")]
+        out[name] = {k: {m: mean_ci(nan_free([r[k][m] for r in per_run])) for m in metrics} for k in ks}
+        out[name]["by_ago"] = {a: mean_ci(nan_free([r["by_ago"][a] for r in per_run])) for a in per_run[0]["by_ago"]}
     for k in ks:
         print(f"\nK = {k}  ({split} worlds, {n} questions, context={context}, mean +- 95% CI over seeds)")
-        print(f"{'variant':<24}" + "".join(f"{m:>16}" for m in ("f1", "em", "valid", "tt", "pt", "turns")))
+        print(f"{'variant':<24}" + "".join(f"{m:>16}" for m in metrics))
         for name in variants:
-            print(f"{name:<24}" + "".join(f"{out[name][k][m][0]:9.3f} +-{out[name][k][m][1]:5.3f}"
-                                          for m in ("f1", "em", "valid", "tt", "pt", "turns")))
+            print(f"{name:<24}" + "".join(f"{out[name][k][m][0]:9.3f} +-{out[name][k][m][1]:5.3f}" for m in metrics))
+    print("\nmemory retention by rounds since the fact was found (all K pooled)")
+    ago = list(out[next(iter(variants))]["by_ago"])
+    print(f"{'variant':<24}" + "".join(f"{a:>16}" for a in ago))
+    for name in variants:
+        print(f"{name:<24}" + "".join(f"{out[name]['by_ago'][a][0]:9.3f} +-{out[name]['by_ago'][a][1]:5.3f}"
+                                      for a in ago))
     return out
+
+
+def plot_compare(res: dict, folder: str) -> list[str]:
+    """PNG plots of a ``compare`` result: F1 vs K and retention vs rounds-ago (needs matplotlib)."""
+    import os
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return []
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for fname, key, xlabel, ylabel in (("f1_vs_k.png", "f1", "objectives K", "F1 (held-out, greedy)"),
+                                       ("retention_vs_ago.png", "by_ago", "rounds since the fact was found",
+                                        "fraction of needed facts still in <mem>")):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for name, r in res.items():
+            if key == "f1":
+                xs = [k for k in r if k != "by_ago"]
+                ys, es = zip(*(r[k]["f1"] for k in xs))
+            else:
+                xs = list(r["by_ago"])
+                ys, es = zip(*(r["by_ago"][a] for a in xs))
+            ax.errorbar([str(x) for x in xs], ys, yerr=es, marker="o", capsize=3, label=name)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(os.path.join(folder, fname))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
 
 
 def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int, hops: tuple[int, int]) -> dict:
@@ -234,6 +291,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="which held-out worlds")
     p.add_argument("--hops", default="1-3", help="hops per objective, e.g. 1-3")
     p.add_argument("--diagnostics", action="store_true", help="also print memory retention / faithfulness / P by round")
+    p.add_argument("--plot", default="", metavar="FOLDER", help="with --compare: write F1-vs-K and retention PNGs here")
     p.add_argument("--data", default="", help="QA file (JSONL/parquet) instead of the embedded world")
     p.add_argument("--corpus", default="", help="corpus JSONL for --data")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -244,6 +302,8 @@ def main(argv=None) -> None:
         variants = dict(v.split("=", 1) for v in args.compare)
         res = compare({k: v.split(",") for k, v in variants.items()}, args.objectives, args.tasks, args.split,
                       args.context, args.max_turns, (a, b), device)
+        if args.plot:
+            print("plots:", " ".join(plot_compare(res, args.plot)))
         print(json.dumps({"compare": {n: {str(k): v for k, v in r.items()} for n, r in res.items()},
                           "split": args.split, "context": args.context}))
         return

@@ -58,3 +58,22 @@ def test_mean_ci():
     m, h = mean_ci([1.0, 2.0, 3.0])
     assert m == 2.0 and abs(h - 4.30 * 1.0 / 3 ** 0.5) < 1e-9
     assert mean_ci([5.0]) == (5.0, 0.0)
+
+
+def test_compare_two_variants_over_seeds_and_plots(sft_run, tmp_path):
+    """--compare: per-K mean +- CI over runs, retention by rounds-ago, and (when matplotlib is there) PNGs."""
+    from eval import compare, plot_compare
+    import torch
+    run = str(sft_run)
+    res = compare({"a": [run, run], "b": [run]}, [1, 2], 3, "valid", "snail", 6, (1, 1), torch.device("cpu"))
+    assert set(res) == {"a", "b"} and set(res["a"]) == {1, 2, "by_ago"}
+    f1, ci = res["a"][2]["f1"]
+    assert 0.0 <= f1 <= 1.0 and ci == 0.0                 # the same run twice: no spread
+    assert res["a"][2]["f1"][0] == res["b"][2]["f1"][0]    # greedy eval is deterministic
+    assert "1-1" in res["a"]["by_ago"]
+    paths = plot_compare(res, str(tmp_path / "plots"))
+    try:
+        import matplotlib  # noqa: F401
+        assert len(paths) == 2 and all((tmp_path / "plots" / p.split("/")[-1]).stat().st_size > 0 for p in paths)
+    except ImportError:
+        assert paths == []
