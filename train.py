@@ -20,6 +20,10 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
 * ``--train-context`` defaults to ``snail`` although the original trains with ``full`` context:
   the embedded SFT data and every evaluation use snail-shell context, and the seed's problem 4
   (train/eval drift) is exactly this difference. ``--train-context full`` reproduces the original.
+* The memory reward defaults to ``--mem-mask full --mem-adv-norm nonzero``, the best MemPO variant
+  of the README's study (the paper's own reward, ``--faithful``, lowered held-out F1 there: its
+  memory advantage paid for shorter memories). Plain GRPO (``--algo grpo``) scored higher still;
+  the README states it plainly.
 * One optimizer step per rollout batch by default (``--ppo-epochs 1``): then ``old_logp`` is the
   detached ``logp`` of the same forward (ratio 1, exactly on-policy) and no extra forward is spent.
   With more epochs ``old_logp`` is computed once, before the first update.
@@ -89,8 +93,8 @@ class Config:
     micro_tokens: int = 4096
     grad_clip: float = 1.0
     threshold: float = 0.5
-    mem_mask: str = "separate"     # separate (seed) | full
-    mem_adv_norm: str = "std"      # std (paper) | none | round | nonzero
+    mem_mask: str = "full"         # full (this project's default, README results) | separate (seed, --faithful)
+    mem_adv_norm: str = "nonzero"  # nonzero (default) | std (paper) | none | round
     mem_weight: float = 1.0
     mem_gate: bool = False         # no memory credit for a <mem> with words from no earlier tool result
     faithful: bool = False         # exactly the paper's memory reward (overrides the four options above)
