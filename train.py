@@ -20,9 +20,9 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
 * ``--train-context`` defaults to ``snail`` although the original trains with ``full`` context:
   the embedded SFT data and every evaluation use snail-shell context, and the seed's problem 4
   (train/eval drift) is exactly this difference. ``--train-context full`` reproduces the original.
-* The memory reward defaults to ``--mem-mask full --mem-adv-norm nonzero``, the best MemPO variant
+* The memory reward defaults to ``--mem-mask full --mem-adv-norm round``, the best MemPO variant
   of the README's study (the paper's own reward, ``--faithful``, lowered held-out F1 there: its
-  memory advantage paid for shorter memories). Plain GRPO (``--algo grpo``) scored higher still;
+  memory advantage paid for shorter memories). Plain GRPO (``--algo grpo``) was as good or better;
   the README states it plainly.
 * One optimizer step per rollout batch by default (``--ppo-epochs 1``): then ``old_logp`` is the
   detached ``logp`` of the same forward (ratio 1, exactly on-policy) and no extra forward is spent.
@@ -94,7 +94,7 @@ class Config:
     grad_clip: float = 1.0
     threshold: float = 0.5
     mem_mask: str = "full"         # full (this project's default, README results) | separate (seed, --faithful)
-    mem_adv_norm: str = "nonzero"  # nonzero (default) | std (paper) | none | round
+    mem_adv_norm: str = "round"    # round (default: per round index) | std (paper) | none | nonzero
     mem_weight: float = 1.0
     mem_gate: bool = False         # no memory credit for a <mem> with words from no earlier tool result
     faithful: bool = False         # exactly the paper's memory reward (overrides the four options above)
