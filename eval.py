@@ -136,12 +136,17 @@ def embedded_tasks(k: int, n: int, seed: int = 0, split: str = "test", hops: tup
     return [data.make_task(world, rng, k, hops) for _ in range(n)], SearchTool(world.docs)
 
 
+def greedy_agent(context: str = "snail", max_turns: int = 64, max_new_tokens: int = 128) -> AgentConfig:
+    """The agent every evaluation runs: greedy, the embedded system prompt."""
+    return AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=context, max_turns=max_turns,
+                       max_new_tokens=max_new_tokens, temperature=0.0)
+
+
 def evaluate_embedded(model, tokenizer, ks: list[int], n: int, seed: int = 0, split: str = "valid",
                       context: str = "snail", max_turns: int = 64, hops: tuple[int, int] = (1, 3),
                       max_new_tokens: int = 128, progress: bool = False) -> dict[int, dict]:
     """Metrics per objective count K on held-out embedded worlds."""
-    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=context, max_turns=max_turns,
-                        max_new_tokens=max_new_tokens, temperature=0.0)
+    agent = greedy_agent(context, max_turns, max_new_tokens)
     out = {}
     for k in ks:
         tasks, tool = embedded_tasks(k, n, seed, split, hops)
@@ -189,8 +194,7 @@ def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, c
     Besides the outcome metrics it keeps each run's memory retention by rounds-ago (pooled over K),
     so a variant that forgets shows it here and in the plot of ``plot_compare``.
     """
-    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=context, max_turns=max_turns,
-                        max_new_tokens=128, temperature=0.0)
+    agent = greedy_agent(context, max_turns)
     metrics = ("f1", "em", "valid", "tt", "pt", "turns", "retention")
     out: dict = {}
     for name, runs in variants.items():
@@ -261,8 +265,7 @@ def plot_compare(res: dict, folder: str) -> list[str]:
 
 def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int, hops: tuple[int, int]) -> dict:
     """Memory diagnostics (retention by rounds-ago, faithfulness, drift) and P_full / P_mem by round."""
-    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context="snail", max_turns=max_turns,
-                        max_new_tokens=128, temperature=0.0)
+    agent = greedy_agent("snail", max_turns)
     out = {}
     for k in ks:
         tasks, tool = embedded_tasks(k, n, 0, split, hops)
@@ -314,8 +317,7 @@ def main(argv=None) -> None:
         if not args.corpus:
             raise SystemExit("--data needs --corpus")
         tasks, tool = data.load_qa(args.data), SearchTool(data.load_corpus(args.corpus))
-        agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=args.context, max_turns=args.max_turns,
-                            max_new_tokens=args.max_new_tokens, temperature=0.0)
+        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens)
         results = {"all": evaluate(model, tokenizer, tasks, tool, agent, progress=True)}
     else:
         results = evaluate_embedded(model, tokenizer, args.objectives, args.tasks, args.seed, args.split,
