@@ -251,7 +251,7 @@ def build_tokenizer(words: list[str] | None = None):
     return hf
 
 
-def build_tiny_model(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 8, seed: int = 0):
+def build_tiny_model(tokenizer, hidden: int = 128, layers: int = 3, heads: int = 8, ffn: int = 256, seed: int = 0):
     """A randomly initialised ``LlamaForCausalLM`` over ``tokenizer`` (0.5M parameters at the defaults).
 
     Llama, not Qwen2: transformers 5 lists ``qwen2`` among the model types whose saved tokenizer class
@@ -260,7 +260,7 @@ def build_tiny_model(tokenizer, hidden: int = 128, layers: int = 2, heads: int =
     """
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                       max_position_embeddings=8192, tie_word_embeddings=True,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,3 +139,25 @@ def test_sigkill_then_resume_matches_uninterrupted(sft_run, tmp_path):
         for k in ("score", "f1", "tokens", "loss", "mem_reward", "p_mem", "p_full"):
             if k in a[key]:
                 assert abs(a[key][k] - b[key][k]) < 1e-5, (key, k, a[key][k], b[key][k])
+
+
+def test_fresh_run_refuses_a_folder_that_holds_a_run(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"stage": "sft", "step": 0}\n')
+    with pytest.raises(SystemExit, match="already holds a run"):
+        train.main(["--run", str(tmp_path), "--sft-steps", "0", "--rl-steps", "0"])
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"stage": "sft", "step": 0}\n'
+
+
+def test_expert_samples_renders_only_the_requested_rounds_identically():
+    import random
+    from rollout import SearchTool
+    tok, rng = data.build_tokenizer(), random.Random(0)
+    world = data.make_world(1)
+    tool = SearchTool(world.docs)
+    for _ in range(10):
+        task = data.make_task(world, rng, rng.randint(1, 4), (1, 3))
+        full = train.expert_samples(tok, task, tool, forget=True)
+        assert len(full) == sum(len(o.relations) for o in task.objectives) + 1     # one search per hop + answer
+        keep = {0, len(full) // 2, len(full) - 1}
+        part = train.expert_samples(tok, task, tool, forget=True, rounds=keep)
+        assert [(s.ids, s.n_prompt) for s in part] == [(full[t].ids, full[t].n_prompt) for t in sorted(keep)]
