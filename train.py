@@ -188,22 +188,17 @@ def expert_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, m
     records, out = [Record("prompt", task.question)], []
     prompt_ids = encode_chat(tokenizer, prepare_prompt(records, system_prompt))
     for t, (text, query) in enumerate(data.expert_episode(task, forget)):
-        if rounds is not None and t not in rounds:
-            records.append(Record("llm_gen", text))
-            if query is not None:
-                records.append(tool_record("search_results", tool.search(" ".join(query))))
-            continue
-        ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt))
-        pre = prefix if t > 0 else []
-        body = text[len("<mem>"):] if pre else text
-        ids = ctx + pre + tokenizer.encode(body, add_special_tokens=False)
-        out.append(Sample(ids, len(ctx) + len(pre)))
-        if t > 0 and mem_answer > 0 and rng is not None and rng.random() < mem_answer:
-            mem = extract_mem(text)
-            answers = data.answers_from_mem(task, mem)
-            ctx2 = prompt_ids + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False)
-            out.append(Sample(ctx2 + tokenizer.encode(f"<think> answer </think> <answer> {answers} </answer>",
-                                                      add_special_tokens=False), len(ctx2)))
+        if rounds is None or t in rounds:
+            ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt))
+            pre = prefix if t > 0 else []
+            body = text[len("<mem>"):] if pre else text
+            out.append(Sample(ctx + pre + tokenizer.encode(body, add_special_tokens=False), len(ctx) + len(pre)))
+            if t > 0 and mem_answer > 0 and rng is not None and rng.random() < mem_answer:
+                mem = extract_mem(text)
+                answers = data.answers_from_mem(task, mem)
+                ctx2 = prompt_ids + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False)
+                out.append(Sample(ctx2 + tokenizer.encode(f"<think> answer </think> <answer> {answers} </answer>",
+                                                          add_special_tokens=False), len(ctx2)))
         records.append(Record("llm_gen", text))
         if query is not None:
             records.append(tool_record("search_results", tool.search(" ".join(query))))
@@ -288,7 +283,7 @@ def sft_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
     out: list[Sample] = []
     while len(out) < cfg.sft_batch:
         task = data.make_task(world, rng, rng.choice(ks), (hops[0], hops[-1]))
-        n_rounds = sum(len(o.relations) for o in task.objectives) + 1         # one search per hop, one answer
+        n_rounds = len(data.expert_episode(task))                        # the same count with or without forgetting
         keep = set(rng.sample(range(n_rounds), min(n_rounds, 4)))        # a few rounds per episode: more episodes
         out += expert_samples(tokenizer, task, tool, rng.random() < cfg.forget_p, mem_answer=cfg.sft_mem_answer,
                               rng=rng, rounds=keep)
