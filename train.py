@@ -20,10 +20,12 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
 * ``--train-context`` defaults to ``snail`` although the original trains with ``full`` context:
   the embedded SFT data and every evaluation use snail-shell context, and the seed's problem 4
   (train/eval drift) is exactly this difference. ``--train-context full`` reproduces the original.
-* The memory reward defaults to ``--mem-mask full --mem-adv-norm round``, the best MemPO variant
-  of the README's study (the paper's own reward, ``--faithful``, lowered held-out F1 there: its
-  memory advantage paid for shorter memories). Plain GRPO (``--algo grpo``) was as good or better;
-  the README states it plainly.
+* The memory reward defaults to ``--mem-mask full --mem-adv-norm nonzero``, the best MemPO
+  variant on the validation worlds of the README's study on the default 3-layer model (the
+  per-round pool, best on the older 2-layer model, made the 3-layer policy loop at K=4 in every
+  seed; the paper's own reward, ``--faithful``, lowered held-out F1: its memory advantage paid for
+  shorter memories). Plain GRPO (``--algo grpo``) was as good or better; the README states it
+  plainly.
 * One optimizer step per rollout batch by default (``--ppo-epochs 1``): then ``old_logp`` is the
   detached ``logp`` of the same forward (ratio 1, exactly on-policy) and no extra forward is spent.
   With more epochs ``old_logp`` is computed once, before the first update.
@@ -95,7 +97,7 @@ class Config:
     grad_clip: float = 1.0
     threshold: float = 0.5
     mem_mask: str = "full"         # full (this project's default, README results) | separate (seed, --faithful)
-    mem_adv_norm: str = "round"    # round (default: per round index) | std (paper) | none | nonzero
+    mem_adv_norm: str = "nonzero"  # nonzero (default: zero rewards left out) | std (paper) | none | round
     mem_weight: float = 1.0
     mem_gate: bool = False         # no memory credit for a <mem> with words from no earlier tool result
     faithful: bool = False         # exactly the paper's memory reward (overrides the four options above)
