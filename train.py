@@ -80,8 +80,8 @@ class Config:
     rl_steps: int = 60
     questions: int = 8         # B questions per step
     group: int = 8             # G rollouts per question
-    rl_objectives: str = "2-4"
-    rl_hops: str = "1-2"
+    rl_objectives: str = "1-4"  # the SFT's K and hops: RL on 2-4 / 1-2 taught 3-hop K=1 episodes to answer after 2 hops
+    rl_hops: str = "1-3"
     lr: float = 1e-4
     train_context: str = "snail"
     max_turns: int = 16
