@@ -251,22 +251,70 @@ def build_tokenizer(words: list[str] | None = None):
     return hf
 
 
-def build_tiny_model(tokenizer, hidden: int = 128, layers: int = 3, heads: int = 8, ffn: int = 256, seed: int = 0):
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def world_texts(n_worlds: int = 4, seed: int = 0) -> list[str]:
+    """Text the embedded world produces (documents, questions, expert rounds, tool results): BPE training data."""
+    rng = random.Random(seed)
+    texts = [SYSTEM_PROMPT, " ".join(world_vocab()[len(CHAT) + len(TAGS) + 2:])]
+    for w in range(n_worlds):
+        world = make_world(seed * 1000 + w)
+        texts += [f"{d['id']} {d['contents']}" for d in world.docs]
+        for _ in range(50):
+            task = make_task(world, rng, rng.randint(1, 4))
+            texts.append(task.question)
+            texts += [text for text, _ in expert_episode(task, rng.random() < 0.5)]
+    return texts
+
+
+def build_bpe_tokenizer(texts: list[str] | None = None, vocab_size: int = 400):
+    """A byte-level BPE tokenizer shaped like Qwen2.5's, trained on ``texts`` (default: the world's text).
+
+    Same normaliser, pre-tokeniser regex and byte-level decoder as ``transformers``' ``Qwen2Tokenizer``,
+    ``<|endoftext|>`` (pad / unk) and ``<|im_start|>`` / ``<|im_end|>`` (eos) as the only special tokens and a
+    ChatML chat template. Tags are NOT special: ``</search>`` is at least three tokens (``</`` ``search``
+    ``>``), and with the small default vocabulary most names are two or three. Deterministic.
+    """
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import Qwen2Tokenizer
+    proto = Qwen2Tokenizer()                               # borrow Qwen2's exact pre-tokeniser and decoder
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = proto.backend_tokenizer.normalizer
+    tok.pre_tokenizer = proto.backend_tokenizer.pre_tokenizer
+    from tokenizers import pre_tokenizers
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts or world_texts(), trainer)
+    state = json.loads(tok.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["merges"]]
+    hf = Qwen2Tokenizer(vocab=state["vocab"], merges=merges, eos_token="<|im_end|>",
+                        additional_special_tokens=CHATML_SPECIALS[1:])
+    hf.chat_template = CHATML_TEMPLATE
+    return hf
+
+
+def build_tiny_model(tokenizer, hidden: int = 128, layers: int = 3, heads: int = 8, ffn: int = 256, seed: int = 0,
+                     kv_heads: int | None = None):
     """A randomly initialised ``LlamaForCausalLM`` over ``tokenizer`` (0.5M parameters at the defaults).
 
     Llama, not Qwen2: transformers 5 lists ``qwen2`` among the model types whose saved tokenizer class
     it overrides, so ``AutoTokenizer`` on a Qwen2 checkpoint would load a byte-level BPE tokenizer
     instead of this word-level one. Qwen2 is Llama plus a qkv bias; the engine does not care.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                      max_position_embeddings=8192, tie_word_embeddings=True,
-                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      bos_token_id=None)
+    qwen = isinstance(tokenizer, Qwen2Tokenizer)          # a BPE tokenizer gets the architecture it belongs to
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if qwen else (LlamaConfig, LlamaForCausalLM)
+    cfg = config_cls(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn,
+                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
+                     max_position_embeddings=8192, tie_word_embeddings=True,
+                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                     bos_token_id=None)
     cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
+    return model_cls(cfg)
 
 
 # --------------------------------------------------------------------------- real data

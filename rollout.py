@@ -101,11 +101,47 @@ def select_rows(cache, rows: torch.Tensor) -> None:
         layer.keys, layer.values = layer.keys[rows], layer.values[rows]
 
 
+class StopStrings:
+    """Ends a row when its decoded text contains a stop string, however the tokenizer split it.
+
+    ``</search>`` may arrive as one token, as ``</`` ``search`` ``>``, as ``</search`` ``>\n`` (a BPE token
+    carrying what follows the tag) or as any other split a sampled model emits. The string completes
+    exactly when the token holding its LAST character is added, so only rows whose newest token
+    contains such a character (``candidates``, found once per tokenizer by decoding every id) decode
+    their tail: the last ``window`` tokens, enough since every token is at least one byte.
+    """
+
+    def __init__(self, tokenizer, strings):
+        self.tokenizer, self.strings = tokenizer, tuple(strings)
+        self.window = max(len(s.encode()) for s in self.strings)
+        lasts = {s[-1] for s in self.strings}
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        self.candidates = [i for i, t in enumerate(texts) if any(c in t for c in lasts)]
+
+    def ended(self, tail: list[int]) -> bool:
+        """Does the text of ``tail`` (a row's newest tokens) contain a stop string?"""
+        text = self.tokenizer.decode(tail[-self.window:])
+        return any(s in text for s in self.strings)
+
+
+_STOPS: dict[tuple, StopStrings] = {}
+
+
+def stop_strings(tokenizer, strings=STOP_STRINGS) -> StopStrings:
+    """The (cached) ``StopStrings`` of this tokenizer: the candidate scan decodes the whole vocabulary once."""
+    key = (id(tokenizer), len(tokenizer), tuple(strings))
+    if key not in _STOPS:
+        _STOPS[key] = StopStrings(tokenizer, strings)
+    return _STOPS[key]
+
+
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
-             eos_id: int | None = None, stop_seqs: list[list[int]] = (), temperature: float = 1.0,
-             top_p: float = 1.0, generator: torch.Generator | None = None) -> list[list[int]]:
-    """Sample continuations of ``prompts`` with a KV cache; each output ends at EOS / a stop sequence (kept)."""
+             eos_id: int | None = None, stop_seqs: list[list[int]] = (), stops: StopStrings | None = None,
+             temperature: float = 1.0, top_p: float = 1.0,
+             generator: torch.Generator | None = None) -> list[list[int]]:
+    """Sample continuations of ``prompts`` with a KV cache; each output ends at EOS, a stop token
+    sequence (``stop_seqs``) or a stop string (``stops``), the ending token kept."""
     from transformers import StaticCache
     device, B, T = model.device, len(prompts), max_new_tokens
     # identical prompts (the G rollouts of one question) are prefilled once, their cache rows repeated
@@ -128,8 +164,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: in
     as_4d = model.config._attn_implementation == "sdpa"
     pos = pos[:, -1:].clone()                                                     # (b, 1)
     ends = {s[-1] for s in stop_seqs if s} | ({eos_id} if eos_id is not None else set())
+    ends |= set(stops.candidates) if stops is not None else set()
     ends = torch.tensor(sorted(ends), dtype=torch.long, device=device)
-    stops = [torch.tensor(s, device=device) for s in stop_seqs if s]
+    seqs = [torch.tensor(s, device=device) for s in stop_seqs if s]
     out = torch.full((B, T), pad_id, dtype=torch.long, device=device)            # (B, T)
     n_out = torch.full((B,), T, dtype=torch.long, device=device)                  # (B,) output lengths
     rows = torch.arange(B, device=device)                                         # (b,) live row -> prompt
@@ -140,9 +177,13 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: in
         hit = torch.isin(tok, ends) & ~done          # could have ended: only then look at whole sequences
         if hit.any():
             ended = tok == eos_id if eos_id is not None else torch.zeros_like(hit)
-            for s in stops:
+            for s in seqs:
                 if t + 1 >= len(s):
                     ended |= (out[rows, t + 1 - len(s):t + 1] == s).all(-1)
+            if stops is not None:                    # decode only the candidate rows' tails
+                for b in (hit & ~ended).nonzero().flatten().tolist():
+                    if stops.ended(out[rows[b], max(0, t + 1 - stops.window):t + 1].tolist()):
+                        ended[b] = True
             ended &= hit
             n_out[rows[ended]] = t + 1
             done |= ended
@@ -239,20 +280,22 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def stop_sequences(tokenizer) -> list[list[int]]:
-    """Token ids of the action closing tags (and their space-prefixed variants for BPE vocabularies)."""
-    seqs = []
-    for s in STOP_STRINGS:
-        for v in (s, " " + s):
-            ids = tokenizer.encode(v, add_special_tokens=False)
-            if ids and ids not in seqs:
-                seqs.append(ids)
-    return seqs
+def cut_at_stop(text: str, strings=STOP_STRINGS) -> str:
+    """The text up to the end of its first stop string; unchanged when it holds none.
+
+    The engine stops at the token that completes a closing tag, and a BPE token may carry characters
+    past it (``>.``, ``>\n``): those belong to no tag and are dropped from the round's text.
+    """
+    ends = [text.find(s) + len(s) for s in strings if s in text]
+    return text[:min(ends)] if ends else text
 
 
 def parse_action(text: str) -> tuple[str | None, str]:
-    """The action that ends a round's text -> ``(kind, body)``; ``(None, "")`` when it ends in none."""
-    m = ACTION_RE.search(text)
+    """The action that ends a round's text -> ``(kind, body)``; ``(None, "")`` when it ends in none.
+
+    Whatever follows the first closing action tag (the rest of the token that completed it) is ignored.
+    """
+    m = ACTION_RE.search(cut_at_stop(text))
     return (m.group(1), m.group(2).strip()) if m else (None, "")
 
 
@@ -261,7 +304,7 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cf
     """Run ``group_size`` trajectories per task through the multi-turn loop; returns them in task order."""
     keep = None if cfg.context == "full" else cfg.keep_rounds
     prefix_ids = tokenizer.encode("<mem>", add_special_tokens=False) if cfg.mem_prefix else []
-    stops = stop_sequences(tokenizer)
+    stops = stop_strings(tokenizer)
     trajs = []
     for gid, task in enumerate(tasks):
         records = [Record("prompt", task.question)]
@@ -282,10 +325,10 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cf
             contexts.append(ctx)
             prefixes.append(prefix_ids if turn > 0 else [])
         outs = generate(model, [c + p for c, p in zip(contexts, prefixes)], cfg.max_new_tokens,
-                        pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, stop_seqs=stops,
+                        pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, stops=stops,
                         temperature=cfg.temperature, top_p=cfg.top_p, generator=generator)
         for t, ctx, pre, out in zip(live, contexts, prefixes, outs):
-            text = tokenizer.decode(pre + out)
+            text = cut_at_stop(tokenizer.decode(pre + out))     # ids stay exactly as sampled
             kind, body = parse_action(text)
             t.rounds.append(Round(ctx, pre, out, text, mem_token_end(tokenizer, pre + out), kind))
             t.records.append(Record("llm_gen", text))

@@ -6,8 +6,7 @@ import torch
 
 import data
 from reward import outcome_reward
-from rollout import (AgentConfig, SearchTool, generate, left_pad, parse_action, rollout, sample_next,
-                     stop_sequences)
+from rollout import AgentConfig, SearchTool, generate, left_pad, parse_action, rollout, sample_next, stop_strings
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +90,11 @@ def test_parse_action():
     assert parse_action("garbage") == (None, "")
 
 
-def test_stop_sequences_of_world_tokenizer_are_single_tokens():
+def test_stop_candidates_of_world_tokenizer_are_the_tokens_holding_a_closing_bracket():
     tok = data.build_tokenizer()
-    seqs = stop_sequences(tok)
-    assert [tok.convert_tokens_to_ids(s) for s in ("</search>", "</access>", "</answer>")] == [s[0] for s in seqs][:3]
+    cands = {tok.convert_ids_to_tokens(i) for i in stop_strings(tok).candidates}
+    assert {"</search>", "</access>", "</answer>"} <= cands
+    assert all(">" in c for c in cands) and "kalo" not in cands and "friend" not in cands
 
 
 def test_untrained_model_output_never_crashes_and_scores_zero(tiny):
