@@ -77,9 +77,14 @@ def load(args, device: torch.device):
         cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=32768, pad_token_id=tok.pad_token_id,
                           eos_token_id=tok.eos_token_id, bos_token_id=None, **QWEN_05B)
         cfg._attn_implementation = "sdpa"
+        if device.type == "cuda":
+            try:
+                import flash_attn  # noqa: F401
+                cfg._attn_implementation = "flash_attention_2"
+            except ImportError:
+                pass
         torch.manual_seed(0)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        return Qwen2ForCausalLM(cfg).to(device, dtype).eval(), tok, "random qwen2.5-0.5b shape"
+        return Qwen2ForCausalLM(cfg).to(device).eval(), tok, "random qwen2.5-0.5b shape (fp32 weights)"
     from transformers import AutoTokenizer
     path = args.checkpoint or next((p for p in DEFAULT_CHECKPOINTS if os.path.exists(p)), "")
     if not path:                       # train the test suite's SFT recipe once; later runs reuse it
@@ -112,19 +117,22 @@ def side_by_side(fns: dict, repeats: int, device: torch.device) -> dict[str, flo
 
 # --------------------------------------------------------------------------- the naive reference engine
 
-def hf_generate(model, prompts, max_new_tokens, *, pad_id, eos_id=None, stop_seqs=(), temperature=1.0,
+def hf_generate(model, prompts, max_new_tokens, *, pad_id, eos_id=None, stop_seqs=(), stops=None, temperature=1.0,
                 top_p=1.0, generator=None):
-    """``rollout.generate``'s contract on top of ``model.generate``: re-prefill all, cut each row after its stop."""
+    """``rollout.generate``'s contract on top of ``model.generate`` (its own ``stop_strings``): re-prefill all,
+    cut each row after its stop."""
     ids, attn = left_pad(prompts, pad_id, model.device)
     ends = [s[0] for s in stop_seqs if len(s) == 1] + ([eos_id] if eos_id is not None else [])
     sample = temperature > 0
+    strings = dict(stop_strings=list(stops.strings), tokenizer=stops.tokenizer) if stops is not None else {}
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=sample,
                          temperature=temperature if sample else None, top_p=top_p if sample else None,
-                         top_k=0 if sample else None, pad_token_id=pad_id, eos_token_id=ends or None)
+                         top_k=0 if sample else None, pad_token_id=pad_id, eos_token_id=ends or None, **strings)
     rows = []
     for row in out[:, ids.shape[1]:].tolist():
         for i, t in enumerate(row):
-            if t == eos_id or any(row[max(0, i + 1 - len(s)):i + 1] == s for s in stop_seqs):
+            if (t == eos_id or any(row[max(0, i + 1 - len(s)):i + 1] == s for s in stop_seqs)
+                    or (stops is not None and stops.ended(row[max(0, i + 1 - stops.window):i + 1]))):
                 row = row[:i + 1]
                 break
         rows.append(row)
@@ -311,13 +319,14 @@ def main(argv=None) -> None:
     cfg = train.parse_args([])
     n_new = 64 if args.quick else cfg.max_new_tokens
 
-    dec = bench_decode(model, tok, device, n_new, repeats)
-    ro = bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens)
-    trajs = ro.pop("trajs")                   # one sampled 8x8 rollout: scored in 3, collated in 6
-    sc = bench_scoring(model, tok, device, trajs, repeats)
-    pad = bench_padding(trajs, cfg)
-    st = bench_train_step(model, tok, device, args.train_steps or (1 if args.quick else 2))   # before 4: peak RSS
-    cx = bench_context(model, tok, device, repeats, args.quick)
+    with train.autocast(cfg, device):         # the training forward: bf16 autocast on CUDA, fp32 on CPU
+        dec = bench_decode(model, tok, device, n_new, repeats)
+        ro = bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens)
+        trajs = ro.pop("trajs")                   # one sampled 8x8 rollout: scored in 3, collated in 6
+        sc = bench_scoring(model, tok, device, trajs, repeats)
+        pad = bench_padding(trajs, cfg)
+        st = bench_train_step(model, tok, device, args.train_steps or (1 if args.quick else 2))   # before 4: peak RSS
+        cx = bench_context(model, tok, device, repeats, args.quick)
 
     s, g = ro["sampled"], ro["greedy"]
     print(f"# python bench.py{' --quick' if args.quick else ''}  device={device}  model={source}  "

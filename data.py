@@ -157,6 +157,17 @@ def format_question(chains: list[list[str]]) -> str:
     return " ".join(f"{k + 1} : {' '.join(open_path(chain))} ?" for k, chain in enumerate(chains))
 
 
+SPLIT_SEEDS = {"valid": 10_000, "test": 20_000}
+
+
+def held_out_tasks(k: int, n: int, seed: int = 0, split: str = "test",
+                   hops: tuple[int, int] = (1, 3)) -> tuple[World, list[Task]]:
+    """``n`` K-objective tasks on a held-out world (``valid`` and ``test`` are disjoint world seeds)."""
+    world = make_world(SPLIT_SEEDS[split] + 100 * seed + k)
+    rng = random.Random(SPLIT_SEEDS[split] * 7 + 100 * seed + k)
+    return world, [make_task(world, rng, k, hops) for _ in range(n)]
+
+
 def make_tasks(world_seed: int, n: int, objectives: list[int], hops: tuple[int, int] = (1, 3),
                seed: int = 0) -> tuple[World, list[Task]]:
     """A world and ``n`` tasks whose objective counts cycle through ``objectives``."""
@@ -266,7 +277,9 @@ def world_texts(n_worlds: int = 4, seed: int = 0) -> list[str]:
         for _ in range(50):
             task = make_task(world, rng, rng.randint(1, 4))
             texts.append(task.question)
-            texts += [text for text, _ in expert_episode(task, rng.random() < 0.5)]
+            # a round as a chat turn ends in a newline (ChatML), sometimes in a stray character: a real BPE
+            # vocabulary has tokens such as ">\n" and ">." that run past a closing tag
+            texts += [text + rng.choice(["\n", "\n", "."]) for text, _ in expert_episode(task, rng.random() < 0.5)]
     return texts
 
 
@@ -296,6 +309,22 @@ def build_bpe_tokenizer(texts: list[str] | None = None, vocab_size: int = 400):
     return hf
 
 
+def save_random_checkpoint(path: str, tokenizer=None, seed: int = 0, **shape) -> str:
+    """A folder shaped like a real Qwen2.5 download, built offline: a randomly initialised ``Qwen2ForCausalLM``
+    (GQA) and a byte-level BPE tokenizer with a ChatML template, both ``save_pretrained``; load it back with
+    ``AutoModelForCausalLM`` / ``AutoTokenizer`` as any checkpoint. ``shape``: ``Qwen2Config`` fields."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tokenizer = tokenizer or build_bpe_tokenizer()
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True) | shape
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **cfg))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def build_tiny_model(tokenizer, hidden: int = 128, layers: int = 3, heads: int = 8, ffn: int = 256, seed: int = 0,
                      kv_heads: int | None = None):
     """A randomly initialised ``LlamaForCausalLM`` over ``tokenizer`` (0.5M parameters at the defaults).
@@ -323,8 +352,12 @@ def _read_jsonl(path: str) -> list[tuple[int, dict]]:
     if not os.path.exists(path):
         raise DataError(f"{path}: file not found")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: not UTF-8 text (byte {e.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -370,11 +403,15 @@ def load_qa(path: str) -> list[Task]:
 
 def load_corpus(path: str) -> list[dict]:
     """Corpus JSONL -> ``[{"id", "contents"}]``."""
-    docs = []
+    docs, line_of = [], {}
     for n, row in _read_jsonl(path):
         if "id" not in row or not isinstance(row.get("contents"), str):
             raise DataError(f"{path}:{n}: each line needs 'id' and a string 'contents'")
-        docs.append({"id": str(row["id"]), "contents": row["contents"]})
+        doc_id = str(row["id"])
+        if doc_id in line_of:     # <access> must name one document
+            raise DataError(f"{path}:{n}: duplicate id {doc_id!r} (first on line {line_of[doc_id]})")
+        line_of[doc_id] = n
+        docs.append({"id": doc_id, "contents": row["contents"]})
     if not docs:
         raise DataError(f"{path}: empty corpus")
     return docs
@@ -386,3 +423,100 @@ def save_corpus(docs: list[dict], path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for d in docs:
             f.write(json.dumps(d) + "\n")
+
+
+def compose_tasks(tasks: list[Task], k: int, seed: int = 0) -> list[Task]:
+    """MEM1's multi-objective questions from a single-objective set: K questions joined into one prompt.
+
+    ``"Answer the following questions: q1 ; q2 ; ..."`` with gold = the K alias lists, in order. Each
+    question is used once per pass over a seeded shuffle; ``len(tasks) // k`` tasks come out.
+    """
+    if k < 1 or k > len(tasks):
+        raise DataError(f"--compose {k}: needs 1 <= K <= the number of questions ({len(tasks)})")
+    order = list(range(len(tasks)))
+    random.Random(seed).shuffle(order)
+    out = []
+    for i in range(0, len(order) - k + 1, k):
+        part = [tasks[j] for j in order[i:i + k]]
+        question = "Answer the following questions: " + " ; ".join(t.question for t in part)
+        out.append(Task(question, [g for t in part for g in t.golds]))
+    return out
+
+
+# --------------------------------------------------------------------------- chat-format trajectories (SFT files)
+
+def load_trajectories(path: str) -> list[dict]:
+    """SFT file -> ``[{"question", "rounds": [(assistant_text, tool_text or None), ...]}]``.
+
+    One JSON object a line with ``messages``: an optional ``system`` turn, one ``user`` turn (the
+    question), then ``assistant`` turns in the tag protocol, each but the last followed by one ``tool``
+    (or ``user``) turn holding its result. The system turn is not used: SFT renders every round with the
+    run's own system prompt, so SFT and RL see the same one.
+    """
+    out = []
+    for n, row in _read_jsonl(path):
+        msgs = row.get("messages")
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                 and isinstance(m.get("role"), str) for m in msgs):
+            raise DataError(f"{path}:{n}: 'messages' must be a list of {{role, content}} objects")
+        msgs = [m for m in msgs if m["role"] != "system"]
+        if len(msgs) < 2 or msgs[0]["role"] != "user" or msgs[1]["role"] != "assistant":
+            raise DataError(f"{path}:{n}: expected a user turn (the question), then an assistant turn")
+        rounds, i = [], 1
+        while i < len(msgs):
+            if msgs[i]["role"] != "assistant":
+                raise DataError(f"{path}:{n}: turn {i + 1} should be an assistant turn, got {msgs[i]['role']!r}")
+            tool = msgs[i + 1]["content"] if i + 1 < len(msgs) else None
+            if tool is not None and msgs[i + 1]["role"] not in ("tool", "user"):
+                raise DataError(f"{path}:{n}: turn {i + 2} should be a tool result, got {msgs[i + 1]['role']!r}")
+            rounds.append((msgs[i]["content"], tool))
+            i += 2
+        out.append({"question": msgs[0]["content"], "rounds": rounds})
+    if not out:
+        raise DataError(f"{path}: no trajectories")
+    return out
+
+
+def export(folder: str, ks: tuple[int, ...] = (1, 2, 4, 6), n: int = 64, episodes: int = 256, seed: int = 0) -> list[str]:
+    """Write the embedded world as real-format files, so the file path can be run on it.
+
+    ``test_k{K}.jsonl`` (Search-R1 QA: ``question``, ``golden_answers`` as K alias lists) and
+    ``corpus_k{K}.jsonl`` (wiki-18: ``id``, ``contents``) hold exactly the held-out test set of ``eval.py``
+    (same worlds, same questions); ``sft_trajectories.jsonl`` holds ``episodes`` expert episodes (half
+    with the forgetting flaw, K 1-4, 1-3 hops, training worlds) as chat-format ``messages``.
+    """
+    from rollout import SearchTool      # the tool's output is part of a trajectory (CLI only)
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for k in ks:
+        world, tasks = held_out_tasks(k, n)
+        paths += [os.path.join(folder, f"test_k{k}.jsonl"), os.path.join(folder, f"corpus_k{k}.jsonl")]
+        with open(paths[-2], "w", encoding="utf-8") as f:
+            for t in tasks:
+                f.write(json.dumps({"question": t.question, "golden_answers": t.golds}) + "\n")
+        save_corpus(world.docs, paths[-1])
+    rng = random.Random(seed)
+    paths.append(os.path.join(folder, "sft_trajectories.jsonl"))
+    with open(paths[-1], "w", encoding="utf-8") as f:
+        for e in range(episodes):
+            world = make_world(rng.randrange(10**9))
+            tool, task = SearchTool(world.docs), make_task(world, rng, rng.randint(1, 4))
+            msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
+            for text, query in expert_episode(task, forget=e % 2 == 1):
+                msgs.append({"role": "assistant", "content": text})
+                if query is not None:
+                    msgs.append({"role": "tool", "content": tool.search(" ".join(query))})
+            f.write(json.dumps({"messages": msgs, "golden_answers": task.golds}) + "\n")
+    return paths
+
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(description="Write the embedded world as real-format files.")
+    p.add_argument("--export", required=True, metavar="DIR", help="folder for test_k*.jsonl, corpus_k*.jsonl, "
+                   "sft_trajectories.jsonl")
+    p.add_argument("--objectives", type=int, nargs="+", default=[1, 2, 4, 6], help="objective counts K")
+    p.add_argument("--tasks", type=int, default=64, help="test questions per K")
+    p.add_argument("--episodes", type=int, default=256, help="expert trajectories")
+    a = p.parse_args()
+    print("\n".join(export(a.export, tuple(a.objectives), a.tasks, a.episodes)))

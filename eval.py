@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import sys
 
 import torch
 
 import data
 from reward import outcome_reward
-from rollout import AgentConfig, SearchTool, load_model, parse_action, pick_device, rollout
+from rollout import AgentConfig, SearchTool, checkpoint_prompt, load_model, parse_action, pick_device, rollout
 
-SPLIT_SEEDS = {"valid": 10_000, "test": 20_000}
+SPLIT_SEEDS = data.SPLIT_SEEDS
 AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
 
 
@@ -101,11 +101,13 @@ def p_by_round(model, tokenizer, trajs: list, threshold: float = 0.5) -> dict:
 
 
 def run_episodes(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
-                 progress: bool = False) -> list:
+                 bar=None) -> list:
     """One rollout per task (greedy when ``agent.temperature == 0``), in task order."""
     trajs = []
     for i in range(0, len(tasks), batch):
-        part = rollout(model, tokenizer, tasks[i:i + batch], 1, tool, agent, progress=progress)
+        part = rollout(model, tokenizer, tasks[i:i + batch], 1, tool, agent)
+        if bar is not None:
+            bar.update(len(part))
         for t in part:
             t.group_id += i                      # index into ``tasks``
         trajs += part
@@ -124,33 +126,43 @@ def summarize(trajs: list) -> dict:
 
 
 def evaluate(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
-             progress: bool = False) -> dict:
+             bar=None) -> dict:
     """Rollouts of ``tasks`` -> mean metrics."""
-    return summarize(run_episodes(model, tokenizer, tasks, tool, agent, batch, progress))
+    return summarize(run_episodes(model, tokenizer, tasks, tool, agent, batch, bar))
 
 
 def embedded_tasks(k: int, n: int, seed: int = 0, split: str = "test", hops: tuple[int, int] = (1, 3)):
     """``n`` held-out K-objective tasks of the embedded world and their search tool."""
-    world = data.make_world(SPLIT_SEEDS[split] + 100 * seed + k)
-    rng = random.Random(SPLIT_SEEDS[split] * 7 + 100 * seed + k)
-    return [data.make_task(world, rng, k, hops) for _ in range(n)], SearchTool(world.docs)
+    world, tasks = data.held_out_tasks(k, n, seed, split, hops)
+    return tasks, SearchTool(world.docs)
 
 
-def greedy_agent(context: str = "snail", max_turns: int = 64, max_new_tokens: int = 128) -> AgentConfig:
-    """The agent every evaluation runs: greedy, the embedded system prompt."""
-    return AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=context, max_turns=max_turns,
+def progress_bar(total: int):
+    """ONE bar for a whole evaluation, counting episodes (a log file gets a few lines, not one bar per K)."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc="eval", unit="episode", mininterval=10)
+
+
+def greedy_agent(context: str = "snail", max_turns: int = 64, max_new_tokens: int = 128,
+                 system_prompt: str = data.SYSTEM_PROMPT) -> AgentConfig:
+    """The agent every evaluation runs: greedy, the checkpoint's system prompt (default: the embedded world's)."""
+    return AgentConfig(system_prompt=system_prompt, context=context, max_turns=max_turns,
                        max_new_tokens=max_new_tokens, temperature=0.0)
 
 
 def evaluate_embedded(model, tokenizer, ks: list[int], n: int, seed: int = 0, split: str = "valid",
                       context: str = "snail", max_turns: int = 64, hops: tuple[int, int] = (1, 3),
-                      max_new_tokens: int = 128, progress: bool = False) -> dict[int, dict]:
+                      max_new_tokens: int = 128, progress: bool = False,
+                      system_prompt: str = data.SYSTEM_PROMPT) -> dict[int, dict]:
     """Metrics per objective count K on held-out embedded worlds."""
-    agent = greedy_agent(context, max_turns, max_new_tokens)
+    agent = greedy_agent(context, max_turns, max_new_tokens, system_prompt)
+    bar = progress_bar(len(ks) * n) if progress else None
     out = {}
     for k in ks:
         tasks, tool = embedded_tasks(k, n, seed, split, hops)
-        out[k] = evaluate(model, tokenizer, tasks, tool, agent, progress=progress)
+        out[k] = evaluate(model, tokenizer, tasks, tool, agent, bar=bar)
+    if bar is not None:
+        bar.close()
     return out
 
 
@@ -182,9 +194,11 @@ def checkpoint_dir(path: str) -> str:
 
 
 def load(path: str, device):
+    """(model, tokenizer, system prompt) of a checkpoint; bf16 weights on CUDA (no optimizer to feed)."""
     from transformers import AutoTokenizer
     path = checkpoint_dir(path)
-    return load_model(path, device).eval(), AutoTokenizer.from_pretrained(path)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return load_model(path, device, dtype).eval(), AutoTokenizer.from_pretrained(path), checkpoint_prompt(path)
 
 
 def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, context: str,
@@ -194,13 +208,13 @@ def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, c
     Besides the outcome metrics it keeps each run's memory retention by rounds-ago (pooled over K),
     so a variant that forgets shows it here and in the plot of ``plot_compare``.
     """
-    agent = greedy_agent(context, max_turns)
     metrics = ("f1", "em", "valid", "tt", "pt", "turns", "retention")
     out: dict = {}
     for name, runs in variants.items():
         per_run = []
         for run in runs:
-            model, tok = load(run, device)
+            model, tok, prompt = load(run, device)
+            agent = greedy_agent(context, max_turns, system_prompt=prompt)
             res, trajs_all, tasks_all = {}, [], []
             for k in ks:
                 tasks, tool = embedded_tasks(k, n, 0, split, hops)
@@ -263,9 +277,10 @@ def plot_compare(res: dict, folder: str) -> list[str]:
     return paths
 
 
-def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int, hops: tuple[int, int]) -> dict:
+def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int, hops: tuple[int, int],
+             system_prompt: str = data.SYSTEM_PROMPT) -> dict:
     """Memory diagnostics (retention by rounds-ago, faithfulness, drift) and P_full / P_mem by round."""
-    agent = greedy_agent("snail", max_turns)
+    agent = greedy_agent("snail", max_turns, system_prompt=system_prompt)
     out = {}
     for k in ks:
         tasks, tool = embedded_tasks(k, n, 0, split, hops)
@@ -297,6 +312,9 @@ def main(argv=None) -> None:
     p.add_argument("--plot", default="", metavar="FOLDER", help="with --compare: write F1-vs-K and retention PNGs here")
     p.add_argument("--data", default="", help="QA file (JSONL/parquet) instead of the embedded world")
     p.add_argument("--corpus", default="", help="corpus JSONL for --data")
+    p.add_argument("--compose", type=int, nargs="+", default=[], metavar="K",
+                   help="with --data: MEM1-style K-objective questions joined from the file's, one table row per K")
+    p.add_argument("--system-prompt", default="", help="text file with the system prompt (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = p.parse_args(argv)
     device = pick_device(args.device)
@@ -312,24 +330,35 @@ def main(argv=None) -> None:
         return
     if not args.checkpoint:
         p.error("give --checkpoint or --compare")
-    model, tokenizer = load(args.checkpoint, device)
+    model, tokenizer, prompt = load(args.checkpoint, device)
+    if args.system_prompt:
+        with open(args.system_prompt, encoding="utf-8") as f:
+            prompt = f.read().strip()
     if args.data:
         if not args.corpus:
             raise SystemExit("--data needs --corpus")
         tasks, tool = data.load_qa(args.data), SearchTool(data.load_corpus(args.corpus))
-        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens)
-        results = {"all": evaluate(model, tokenizer, tasks, tool, agent, progress=True)}
+        sets = {k: data.compose_tasks(tasks, k, args.seed) for k in args.compose} or {"all": tasks}
+        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
+        bar = progress_bar(sum(len(t) for t in sets.values()))
+        results = {k: evaluate(model, tokenizer, t, tool, agent, bar=bar) for k, t in sets.items()}
+        bar.close()
     else:
         results = evaluate_embedded(model, tokenizer, args.objectives, args.tasks, args.seed, args.split,
-                                    args.context, args.max_turns, (a, b), args.max_new_tokens, progress=True)
+                                    args.context, args.max_turns, (a, b), args.max_new_tokens, progress=True,
+                                    system_prompt=prompt)
     print_table(results, f"{args.checkpoint}  context={args.context}  max_turns={args.max_turns}")
     out = {"checkpoint": args.checkpoint, "context": args.context, "max_turns": args.max_turns,
            "results": {str(k): v for k, v in results.items()}}
     if args.diagnostics and not args.data:
         out["diagnostics"] = {str(k): v for k, v in diagnose(model, tokenizer, args.objectives, args.tasks,
-                                                             args.split, args.max_turns, (a, b)).items()}
+                                                             args.split, args.max_turns, (a, b), prompt).items()}
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except data.DataError as e:          # a bad data file: one line naming file and line, exit status 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -38,9 +38,9 @@ Choices (the paper and the seed do not fix these):
   parts are ignored; an objective with no aliases never matches. Word F1 follows SQuAD v2
   (both sides empty after normalisation -> 1). K = 0 scores 0.
 * The answer template uses the FIRST alias of each objective and ``think="answer"`` (what the
-  embedded expert writes); every piece is encoded on its own with a leading space and the ids
-  are concatenated, so ans_mask is exact for word-level and BPE tokenizers alike (a BPE
-  tokenizer may split the joined string differently; the template is ours to define).
+  embedded expert writes); it is encoded once and ``ans_mask`` comes from character offsets, so
+  the ids are the tokenizer's own encoding and the mask covers exactly the gold's tokens, for
+  word-level and byte-level BPE tokenizers alike (``test_realmodel.py``).
 * An empty mask gives P = 0, never NaN. ``threshold`` <= 0 keeps every gold token.
 * ``mask_mode="full"`` (an option, not in the paper): both P average over the gold tokens the
   FULL context is confident on, so a memory that lost an objective's answer is penalised
@@ -180,20 +180,24 @@ def outcome_reward(traj: Trajectory) -> dict:
 # --------------------------------------------------------------------------- memory reward
 
 def answer_template(tokenizer, golds: list[list[str]], think: str = "answer") -> tuple[list[int], list[int]]:
-    """``<think> {think} </think> <answer> g1 ; g2 </answer>`` -> (ids, ans_mask), 1 on gold tokens only."""
-    pieces: list[tuple[str, int]] = [("<think>", 0), (think, 0), ("</think>", 0), ("<answer>", 0)]
+    """`` <think> {think} </think> <answer> g1 ; g2 </answer>`` -> (ids, ans_mask), 1 on gold tokens only.
+
+    The text is encoded ONCE, so the ids are exactly the tokenizer's own encoding of it (per-piece
+    encoding differs from it on BPE wherever a gold holds punctuation, digits or CJK), and a token is
+    gold when its characters overlap a gold answer's (offset mapping). The leading space makes the
+    template start a new word after whatever context precedes it.
+    """
+    text, spans = f" <think> {think} </think> <answer>", []
     for k, aliases in enumerate(golds):
-        if k:
-            pieces.append((";", 0))
-        pieces.append((aliases[0] if aliases else "", 1))
-    pieces.append(("</answer>", 0))
-    ids: list[int] = []
-    mask: list[int] = []
-    for piece, is_gold in pieces:
-        piece_ids = tokenizer.encode(" " + piece, add_special_tokens=False) if piece else []
-        ids += piece_ids
-        mask += [is_gold] * len(piece_ids)
-    return ids, mask
+        text += " ;" if k else ""
+        gold = aliases[0] if aliases else ""
+        if gold:
+            spans.append((len(text) + 1, len(text) + 1 + len(gold)))
+            text += " " + gold
+    text += " </answer>"
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a < e and s < b for s, e in spans)) for a, b in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
 
 
 @torch.no_grad()

@@ -37,6 +37,19 @@ from rank_bm25 import BM25Okapi
 
 from memory import Record, mem_token_end, prepare_prompt, tool_record
 
+PROTOCOL_PROMPT = """You are a research agent that answers questions by searching a document collection. \
+You work in rounds. Each round you write, in this order and nothing else:
+1. <mem> ... </mem>: your memory. Write everything worth keeping so far: what each question asks, \
+what you have found (names, dates, numbers, document ids) and what is still missing. Rewrite it in full \
+every round: after this round you will no longer see older rounds or older search results, only your \
+newest memory, so anything you leave out is gone.
+2. <think> ... </think>: brief reasoning about what to do next.
+3. Exactly one action, then stop writing:
+   <search> query </search> searches the collection; the top results come back inside <information> ... </information>.
+   <access> document id </access> returns the beginning of one document inside <information> ... </information>.
+   <answer> a1 ; a2 ; ... </answer> ends the task: one short answer per question, in the order the \
+questions were asked, separated by " ; ", with no explanation.
+Never write <information> yourself. Answer as soon as your memory holds every answer."""
 ACTION_RE = re.compile(r"<(search|access|answer)>(.*?)</\1>\s*$", re.S)
 STOP_STRINGS = ("</search>", "</access>", "</answer>")
 
@@ -50,19 +63,29 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def load_model(path: str, device: torch.device):
-    """A HF causal LM for this device: bf16 + flash-attention-2 (when installed) on CUDA, fp32 + SDPA on CPU."""
+def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A HF causal LM for this device, weights in ``dtype``: fp32 to train (master weights; train.autocast
+    gives the bf16 forward), bf16 to evaluate on CUDA. flash-attention-2 on CUDA when installed, else SDPA."""
     from transformers import AutoModelForCausalLM
     attn = "sdpa"
-    dtype = torch.float32
     if device.type == "cuda":
-        dtype = torch.bfloat16
         try:
             import flash_attn  # noqa: F401
             attn = "flash_attention_2"
         except ImportError:
             pass
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
+
+
+def checkpoint_prompt(path: str) -> str:
+    """The system prompt a checkpoint was trained with (``system_prompt.txt``, written by train.py), else
+    ``PROTOCOL_PROMPT`` (a model from elsewhere learns the protocol from the prompt)."""
+    import os
+    f = os.path.join(path, "system_prompt.txt")
+    if os.path.exists(f):
+        with open(f, encoding="utf-8") as fh:
+            return fh.read()
+    return PROTOCOL_PROMPT
 
 
 # --------------------------------------------------------------------------- the engine
@@ -300,7 +323,7 @@ def parse_action(text: str) -> tuple[str | None, str]:
 
 
 def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cfg: AgentConfig,
-            generator: torch.Generator | None = None, progress: bool = False) -> list[Trajectory]:
+            generator: torch.Generator | None = None) -> list[Trajectory]:
     """Run ``group_size`` trajectories per task through the multi-turn loop; returns them in task order."""
     keep = None if cfg.context == "full" else cfg.keep_rounds
     prefix_ids = tokenizer.encode("<mem>", add_special_tokens=False) if cfg.mem_prefix else []
@@ -311,10 +334,6 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cf
         prompt_ids = encode_chat(tokenizer, prepare_prompt(records, cfg.system_prompt, keep))
         for _ in range(group_size):
             trajs.append(Trajectory(task.question, task.golds, gid, prompt_ids, list(records)))
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.max_turns, desc="rounds", leave=False)
     for turn in range(cfg.max_turns):
         live = [t for t in trajs if not t.done]
         if not live:
@@ -339,8 +358,4 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cf
             else:
                 t.answer = body if kind == "answer" else None
                 t.done = True
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
     return trajs

@@ -43,6 +43,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -52,7 +53,8 @@ import data
 from grpo import grouped_advantage, memory_advantage, policy_loss, token_advantages, token_logprobs
 from memory import Record, extract_mem, prepare_prompt, tool_record
 from reward import memory_rewards, outcome_reward
-from rollout import AgentConfig, SearchTool, encode_chat, load_model, pick_device, rollout
+from rollout import (AgentConfig, SearchTool, checkpoint_prompt, encode_chat, load_model, parse_action,
+                     pick_device, rollout)
 
 
 @dataclass
@@ -63,6 +65,11 @@ class Config:
     model: str = ""            # HF model path; empty = build the tiny embedded model
     data: str = ""             # QA JSONL/parquet; empty = the embedded world
     corpus: str = ""           # corpus JSONL (required with --data)
+    compose: int = 0           # join K single-objective questions of --data into one (MEM1); 0 = as in the file
+    system_prompt: str = ""    # a text file; empty = the checkpoint's own, the protocol prompt, or the world's
+    tokenizer: str = "word"    # embedded world: word (one token per word) | bpe (byte-level BPE, Qwen2 model)
+    precision: str = "auto"    # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16; weights stay fp32
+    sft_data: str = ""         # chat-format trajectory JSONL: SFT stage for any --model
     hidden: int = 128          # tiny embedded model
     layers: int = 3            # 3 thin layers, not 2 wide ones: see README (copying names from memory)
     heads: int = 8
@@ -116,6 +123,12 @@ def parse_args(argv=None) -> Config:
         "device": "auto | cpu | cuda", "model": "HF model name or path (default: the tiny embedded model)",
         "data": "QA file, JSONL or parquet, fields question / golden_answers",
         "corpus": "corpus JSONL with id / contents for the search tool",
+        "compose": "MEM1-style multi-objective questions: join K questions of --data into one (0 = off)",
+        "system_prompt": "text file with the system prompt (default: the checkpoint's system_prompt.txt, else the "
+                         "protocol prompt for a real model, or the embedded world's compact one)",
+        "tokenizer": "embedded world tokenizer: word | bpe (byte-level BPE, tags and names several tokens)",
+        "precision": "auto | fp32 | bf16: bf16 autocast forward over fp32 master weights (auto = bf16 on CUDA)",
+        "sft_data": "JSONL of chat-format trajectories (messages): SFT stage of --model before RL",
         "hidden": "hidden size of the tiny embedded model", "layers": "layers of the tiny embedded model",
         "heads": "attention heads of the tiny embedded model", "ffn": "MLP width of the tiny embedded model",
         "sft_steps": "SFT cold-start steps (embedded default only; 0 skips)", "sft_batch": "rounds per SFT step",
@@ -175,35 +188,55 @@ class Sample:
     adv_m: float = 0.0       # memory advantage of this round
 
 
+def episode_samples(tokenizer, question: str, rounds: list[tuple[str, str | None]], system_prompt: str,
+                    mem_prefix: bool = True, keep: set[int] | None = None, context: str = "snail") -> list[Sample]:
+    """Render one episode's rounds as training rows, exactly as the agent loop would see them.
+
+    ``rounds[t] = (assistant text, tool result or None)``. Row t = the round's context (``context``: snail or
+    full) + the forced ``<mem>`` prefix (rounds >= 2, loss mask 0) + the rest of the round. ``keep``
+    (0-based round indices) renders only those rows; None renders all.
+    """
+    prefix = tokenizer.encode("<mem>", add_special_tokens=False) if mem_prefix else []
+    records, out = [Record("prompt", question)], []
+    for t, (text, tool_text) in enumerate(rounds):
+        if keep is None or t in keep:
+            ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None if context == "full" else 1))
+            pre = prefix if t > 0 and text.startswith("<mem>") else []
+            body = text[len("<mem>"):] if pre else text
+            out.append(Sample(ctx + pre + tokenizer.encode(body, add_special_tokens=False), len(ctx) + len(pre)))
+        records.append(Record("llm_gen", text))
+        if tool_text is not None:
+            kind = "webpage" if parse_action(text)[0] == "access" else "search_results"
+            records.append(tool_record(kind, tool_text))
+    return out
+
+
 def expert_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, mem_prefix: bool = True,
                    system_prompt: str = data.SYSTEM_PROMPT, mem_answer: float = 0.0,
                    rng: random.Random | None = None, rounds: set[int] | None = None) -> list[Sample]:
-    """Render one expert episode as snail-shell training rows, exactly as the agent loop would see them.
+    """Rows of one scripted expert episode (``episode_samples`` with the BM25 tool's real results).
 
-    ``rounds`` (0-based round indices) renders only those rows; None renders all.
-
-    With ``mem_answer`` > 0, each round >= 2 also yields (with that probability) a memory-only row:
-    ``mem_traj`` (initial prompt + the round's ``<mem>``) -> ``<think> answer </think> <answer> ...``,
+    With ``mem_answer`` > 0, each rendered round >= 2 also yields (with that probability) a memory-only
+    row: ``mem_traj`` (initial prompt + the round's ``<mem>``) -> ``<think> answer </think> <answer> ...``,
     answering from memory alone (``unknown`` where it holds no answer) -- the context P_mem scores.
     """
-    prefix = tokenizer.encode("<mem>", add_special_tokens=False) if mem_prefix else []
-    records, out = [Record("prompt", task.question)], []
-    prompt_ids = encode_chat(tokenizer, prepare_prompt(records, system_prompt))
-    for t, (text, query) in enumerate(data.expert_episode(task, forget)):
-        if rounds is None or t in rounds:
-            ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt))
-            pre = prefix if t > 0 else []
-            body = text[len("<mem>"):] if pre else text
-            out.append(Sample(ctx + pre + tokenizer.encode(body, add_special_tokens=False), len(ctx) + len(pre)))
-            if t > 0 and mem_answer > 0 and rng is not None and rng.random() < mem_answer:
+    episode = data.expert_episode(task, forget)
+    turns = [(text, tool.search(" ".join(q)) if q is not None else None) for text, q in episode]
+    out = episode_samples(tokenizer, task.question, turns, system_prompt, mem_prefix, rounds)
+    if mem_answer > 0 and rng is not None:
+        prompt_ids = encode_chat(tokenizer, prepare_prompt([Record("prompt", task.question)], system_prompt))
+        rows, k = [], 0
+        for t, (text, _) in enumerate(episode):
+            if rounds is not None and t not in rounds:
+                continue
+            rows.append(out[k])
+            k += 1
+            if t > 0 and rng.random() < mem_answer:
                 mem = extract_mem(text)
-                answers = data.answers_from_mem(task, mem)
                 ctx2 = prompt_ids + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False)
-                out.append(Sample(ctx2 + tokenizer.encode(f"<think> answer </think> <answer> {answers} </answer>",
-                                                          add_special_tokens=False), len(ctx2)))
-        records.append(Record("llm_gen", text))
-        if query is not None:
-            records.append(tool_record("search_results", tool.search(" ".join(query))))
+                answer = f"<think> answer </think> <answer> {data.answers_from_mem(task, mem)} </answer>"
+                rows.append(Sample(ctx2 + tokenizer.encode(answer, add_special_tokens=False), len(ctx2)))
+        out = rows
     return out
 
 
@@ -251,12 +284,19 @@ def padding_waste(batches: list[list[Sample]]) -> float:
 
 # --------------------------------------------------------------------------- checkpoints
 
-def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict) -> None:
+def save_model(path: str, model, tokenizer, system_prompt: str) -> None:
+    """``save_pretrained`` of model and tokenizer, plus the system prompt the model was trained with."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "system_prompt.txt"), "w", encoding="utf-8") as f:
+        f.write(system_prompt)
+
+
+def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_prompt: str) -> None:
     """Atomic checkpoint: write to ``path.tmp`` then rename over ``path``."""
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    save_model(tmp, model, tokenizer, system_prompt)
     torch.save({"optimizer": optimizer.state_dict() if optimizer else None, "state": state,
                 "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer.pt"))
     old = path + ".old"
@@ -273,6 +313,28 @@ def log_jsonl(path: str, row: dict) -> None:
 
 
 # --------------------------------------------------------------------------- SFT
+
+def autocast(cfg: Config, device: torch.device):
+    """The forward's precision: bf16 autocast over fp32 master weights (``--precision``), else a no-op.
+
+    Weights, gradients and AdamW states stay fp32 (16 bytes a parameter), so an update of lr 1e-6 on
+    weights of scale 0.02 is not rounded away, as it is when AdamW steps bf16 weights directly.
+    """
+    on = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+
+
+def file_batch(tokenizer, cfg: Config, step: int, trajectories: list[dict], system_prompt: str) -> list[Sample]:
+    """A batch of ``cfg.sft_batch`` rounds from a chat-format trajectory file (``--sft-data``): 4 rounds an episode."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    out: list[Sample] = []
+    while len(out) < cfg.sft_batch:
+        tr = rng.choice(trajectories)
+        keep = set(rng.sample(range(len(tr["rounds"])), min(len(tr["rounds"]), 4)))
+        out += episode_samples(tokenizer, tr["question"], tr["rounds"], system_prompt, keep=keep,
+                               context=cfg.train_context)
+    return out[: cfg.sft_batch]
+
 
 def sft_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
     """A batch of ``cfg.sft_batch`` expert rounds from a world drawn for this step only."""
@@ -323,7 +385,8 @@ def sft_loss(model, batch: dict[str, torch.Tensor], n_tokens: float) -> torch.Te
     return (nll * mask).sum() / n_tokens
 
 
-def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: str, ckpt: str) -> None:
+def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: str, ckpt: str,
+            system_prompt: str = data.SYSTEM_PROMPT, trajectories: list[dict] | None = None) -> None:
     from tqdm import tqdm
     device = model.device
     sched = lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
@@ -332,12 +395,18 @@ def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: 
         for g in optimizer.param_groups:
             g["lr"] = cfg.sft_lr * sched(step)
         t0 = time.time()
-        samples = copy_batch(tokenizer, cfg, step) if step < cfg.sft_copy_steps else sft_batch(tokenizer, cfg, step)
+        if trajectories is not None:
+            samples = file_batch(tokenizer, cfg, step, trajectories, system_prompt)
+        elif step < cfg.sft_copy_steps:
+            samples = copy_batch(tokenizer, cfg, step)
+        else:
+            samples = sft_batch(tokenizer, cfg, step)
         n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for mb in micro_batches(samples, cfg.micro_tokens):          # sorted by length: little padding
-            part = sft_loss(model, collate(mb, tokenizer.pad_token_id, device), n_tokens)
+            with autocast(cfg, device):
+                part = sft_loss(model, collate(mb, tokenizer.pad_token_id, device), n_tokens)
             part.backward()
             loss += part.item()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -345,15 +414,18 @@ def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: 
         if step % 50 == 0 or step == cfg.sft_steps - 1:
             row = {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn.item(),
                    "lr": cfg.sft_lr * sched(step), "sec": time.time() - t0}
-            if cfg.eval_every and (step % 500 == 0 or step == cfg.sft_steps - 1):     # under 1 s once the policy is good
+            if cfg.eval_every and not cfg.model and (step % 500 == 0 or step == cfg.sft_steps - 1):  # under 1 s once good
                 from eval import evaluate_embedded
                 model.eval()
-                row["val_f1_k2"] = evaluate_embedded(model, tokenizer, [2], cfg.eval_tasks, seed=cfg.seed)[2]["f1"]
+                row["val_f1_k2"] = evaluate_embedded(model, tokenizer, [2], cfg.eval_tasks, seed=cfg.seed,
+                                                     system_prompt=system_prompt)[2]["f1"]
                 model.train()
             log_jsonl(metrics_path, row)
         if (step + 1) % 500 == 0 and step + 1 < cfg.sft_steps:
-            save_checkpoint(ckpt, model, tokenizer, optimizer, {"stage": "sft", "step": step + 1})
-    save_checkpoint(os.path.join(cfg.run, "sft"), model, tokenizer, None, {"stage": "sft", "step": cfg.sft_steps})
+            save_checkpoint(ckpt, model, tokenizer, optimizer, {"stage": "sft", "step": step + 1,
+                                                                "precision": cfg.precision}, system_prompt)
+    save_checkpoint(os.path.join(cfg.run, "sft"), model, tokenizer, None,
+                    {"stage": "sft", "step": cfg.sft_steps, "precision": cfg.precision}, system_prompt)
 
 
 # --------------------------------------------------------------------------- RL
@@ -390,7 +462,8 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
     gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step)
     t0 = time.time()
     model.eval()
-    trajs = rollout(model, tokenizer, tasks, cfg.group, tool, agent, gen)
+    with autocast(cfg, model.device):
+        trajs = rollout(model, tokenizer, tasks, cfg.group, tool, agent, gen)
     m["sec_rollout"] = time.time() - t0
 
     t0 = time.time()
@@ -405,8 +478,9 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
     adv_t = grouped_advantage(scores, gids)
     mem, mem_adv = None, None
     if cfg.algo == "mempo":
-        mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
-                             gate=cfg.mem_gate)
+        with autocast(cfg, model.device):
+            mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
+                                 gate=cfg.mem_gate)
         mem_adv = memory_advantage(mem["rewards"], gids.tolist(), norm=cfg.mem_adv_norm)
         flat = [x for r in mem["rewards"] for x in r]
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
@@ -436,7 +510,7 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
     device = model.device
     old = {}
     if cfg.ppo_epochs > 1 or ref_model is not None:
-        with torch.no_grad():
+        with torch.no_grad(), autocast(cfg, device):
             for bi, b in enumerate(batches):
                 x = collate(b, pad_id, device)
                 if cfg.ppo_epochs > 1:
@@ -451,7 +525,8 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
         for bi, b in enumerate(batches):
             x = collate(b, pad_id, device)
             adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"], cfg.mem_weight)
-            logp = token_logprobs(model, x["ids"], x["attn"], cfg.temperature)
+            with autocast(cfg, device):
+                logp = token_logprobs(model, x["ids"], x["attn"], cfg.temperature)
             old_logp = old.get(("old", bi), logp.detach())
             loss, lm = policy_loss(logp, old_logp, adv, x["loss_mask"], cfg.clip_low, cfg.clip_high,
                                    cfg.dual_clip or None, cfg.agg, old.get(("ref", bi)), cfg.kl_coef,
@@ -472,25 +547,27 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
 
 
 def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: str, ckpt: str,
-           real_tasks=None, real_tool=None) -> None:
+           real_tasks=None, real_tool=None, system_prompt: str = data.SYSTEM_PROMPT) -> None:
     from tqdm import tqdm
     from eval import evaluate_embedded
     ref_model = None
     if cfg.kl_coef > 0:
         import copy
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=cfg.train_context, max_turns=cfg.max_turns,
+    agent = AgentConfig(system_prompt=system_prompt, context=cfg.train_context, max_turns=cfg.max_turns,
                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     bar = tqdm(range(start, cfg.rl_steps), desc=f"rl/{cfg.algo}", initial=start, total=cfg.rl_steps)
     for step in bar:
         m = rl_step(model, ref_model, tokenizer, optimizer, cfg, step, agent, real_tasks, real_tool)
         if cfg.eval_every and real_tasks is None and (step + 1) % cfg.eval_every == 0:
-            res = evaluate_embedded(model, tokenizer, [4], cfg.eval_tasks, seed=cfg.seed, split="valid")
+            res = evaluate_embedded(model, tokenizer, [4], cfg.eval_tasks, seed=cfg.seed, split="valid",
+                                    system_prompt=system_prompt)
             m["val_f1_k4"] = res[4]["f1"]
         log_jsonl(metrics_path, m)
         bar.set_postfix(score=f"{m['score']:.3f}", f1=f"{m['f1']:.3f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.rl_steps:
-            save_checkpoint(ckpt, model, tokenizer, optimizer, {"stage": "rl", "step": step + 1})
+            save_checkpoint(ckpt, model, tokenizer, optimizer,
+                            {"stage": "rl", "step": step + 1, "precision": cfg.precision}, system_prompt)
 
 
 # --------------------------------------------------------------------------- main
@@ -504,49 +581,61 @@ def main(argv=None) -> None:
     if not cfg.resume and os.path.exists(metrics_path):     # never mix two runs' metrics or overwrite a checkpoint
         raise SystemExit(f"{cfg.run} already holds a run ({metrics_path}); pass --resume to continue it, "
                          f"or choose another --run")
-    state = {"stage": "sft", "step": 0}
-    trainer = None
-    if cfg.resume and os.path.exists(os.path.join(ckpt, "trainer.pt")):
-        trainer = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
-        state = trainer["state"]
-        model = load_model(ckpt, device)
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(ckpt)
-        print(f"resuming {state['stage']} at step {state['step']} from {ckpt}")
-    elif cfg.model:
-        from transformers import AutoTokenizer
-        model, tokenizer = load_model(cfg.model, device), AutoTokenizer.from_pretrained(cfg.model)
-        state = {"stage": "rl", "step": 0}      # a real model brings its own cold start
-    else:
-        tokenizer = data.build_tokenizer()
-        model = data.build_tiny_model(tokenizer, cfg.hidden, cfg.layers, cfg.heads, cfg.ffn, seed=cfg.seed).to(device)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    with open(os.path.join(cfg.run, "config.json"), "w") as f:
-        json.dump(asdict(cfg), f, indent=1)
-    real_tasks = real_tool = None
+    real_tasks = real_tool = trajectories = None          # data files first: a bad file fails before a model loads
     if cfg.data:
         if not cfg.corpus:
             raise SystemExit("--data needs --corpus (the documents the search tool searches)")
         real_tasks, real_tool = data.load_qa(cfg.data), SearchTool(data.load_corpus(cfg.corpus))
+        if cfg.compose:
+            real_tasks = data.compose_tasks(real_tasks, cfg.compose, cfg.seed)
+    if cfg.sft_data:
+        trajectories = data.load_trajectories(cfg.sft_data)
+    from transformers import AutoTokenizer
+    state = {"stage": "sft" if cfg.sft_data or not cfg.model else "rl", "step": 0}   # a real model: RL unless --sft-data
+    trainer = None
+    if cfg.resume and os.path.exists(os.path.join(ckpt, "trainer.pt")):
+        trainer = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
+        state = trainer["state"]
+        if state.get("precision", cfg.precision) != cfg.precision:       # the same forward as before the kill
+            print(f"--precision {cfg.precision} ignored: resuming in the run's {state['precision']}")
+            cfg.precision = state["precision"]
+        model, tokenizer, prompt = load_model(ckpt, device), AutoTokenizer.from_pretrained(ckpt), checkpoint_prompt(ckpt)
+        print(f"resuming {state['stage']} at step {state['step']} from {ckpt}")
+    elif cfg.model:
+        model, tokenizer = load_model(cfg.model, device), AutoTokenizer.from_pretrained(cfg.model)
+        prompt = checkpoint_prompt(cfg.model)
+    else:
+        tokenizer = data.build_bpe_tokenizer() if cfg.tokenizer == "bpe" else data.build_tokenizer()
+        model = data.build_tiny_model(tokenizer, cfg.hidden, cfg.layers, cfg.heads, cfg.ffn, seed=cfg.seed).to(device)
+        prompt = data.SYSTEM_PROMPT
+    if cfg.system_prompt:
+        with open(cfg.system_prompt, encoding="utf-8") as f:
+            prompt = f.read().strip()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    with open(os.path.join(cfg.run, "config.json"), "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
 
     if state["stage"] == "sft" and cfg.sft_steps > 0:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
         if trainer is not None and trainer["optimizer"] is not None:
             opt.load_state_dict(trainer["optimizer"])
             torch.set_rng_state(trainer["torch_rng"])
-        run_sft(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt)
+        run_sft(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, prompt, trajectories)
         state, trainer = {"stage": "rl", "step": 0}, None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     if trainer is not None and state["stage"] == "rl":
         opt.load_state_dict(trainer["optimizer"])
         torch.set_rng_state(trainer["torch_rng"])
     if cfg.rl_steps > 0:
-        run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, real_tasks, real_tool)
-    model.save_pretrained(os.path.join(cfg.run, "final"))
-    tokenizer.save_pretrained(os.path.join(cfg.run, "final"))
+        run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, real_tasks, real_tool, prompt)
+    save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt)
     print(f"saved {cfg.run}/final")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except data.DataError as e:          # a bad data file: one line naming file and line, exit status 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
