@@ -85,10 +85,35 @@ def memory_diagnostics(trajs: list, tasks: list) -> dict:
             "faithfulness": ratio(faithful), "mem_entries": faithful[1]}
 
 
-def p_by_round(model, tokenizer, trajs: list, threshold: float = 0.5) -> dict:
-    """Mean P_full and P_mem by round index on (eval) trajectories: where does memory carry the answer?"""
+TRAIN_MEM_MASK, TRAIN_THRESHOLD = "full", 0.5      # train.Config's defaults (eval.py does not import train.py)
+
+
+def run_reward_config(checkpoint: str) -> tuple[str, float]:
+    """The memory reward's ``(mem_mask, threshold)`` of the run that wrote ``checkpoint``: its RUN/config.json.
+
+    ``checkpoint`` is a run folder or a folder inside one (``final``, ``ckpt``, ``sft``); a checkpoint
+    without a run config (e.g. a hub model) gets the training defaults.
+    """
+    import os
+    for folder in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
+        path = os.path.join(folder, "config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                cfg = json.load(f)
+            if "mem_mask" in cfg:                     # RUN/config.json, not a model's config.json
+                return cfg["mem_mask"], float(cfg.get("threshold", TRAIN_THRESHOLD))
+    return TRAIN_MEM_MASK, TRAIN_THRESHOLD
+
+
+def p_by_round(model, tokenizer, trajs: list, threshold: float = TRAIN_THRESHOLD,
+               mask_mode: str = TRAIN_MEM_MASK) -> dict:
+    """Mean P_full and P_mem by round index on (eval) trajectories: where does memory carry the answer?
+
+    ``mask_mode`` and ``threshold`` should be the run's own (``run_reward_config``), so P_mem here is
+    the P_mem its training reward computed.
+    """
     from reward import memory_rewards
-    m = memory_rewards(model, tokenizer, trajs, threshold=threshold)
+    m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode)
     rows: dict[str, list] = {}
     k = 0
     for rounds in m["rounds"]:
@@ -278,14 +303,15 @@ def plot_compare(res: dict, folder: str) -> list[str]:
 
 
 def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int, hops: tuple[int, int],
-             system_prompt: str = data.SYSTEM_PROMPT) -> dict:
+             system_prompt: str = data.SYSTEM_PROMPT, mask_mode: str = TRAIN_MEM_MASK,
+             threshold: float = TRAIN_THRESHOLD) -> dict:
     """Memory diagnostics (retention by rounds-ago, faithfulness, drift) and P_full / P_mem by round."""
     agent = greedy_agent("snail", max_turns, system_prompt=system_prompt)
     out = {}
     for k in ks:
         tasks, tool = embedded_tasks(k, n, 0, split, hops)
         trajs = run_episodes(model, tokenizer, tasks, tool, agent)
-        out[k] = memory_diagnostics(trajs, tasks) | {"p_by_round": p_by_round(model, tokenizer, trajs)}
+        out[k] = memory_diagnostics(trajs, tasks) | {"p_by_round": p_by_round(model, tokenizer, trajs, threshold, mask_mode)}
         d = out[k]
         print(f"K={k}: retention {d['retention']:.3f}  faithfulness {d['faithfulness']:.3f}  "
               f"by rounds-ago {json.dumps({a: round(v, 3) for a, v in d['retention_by_ago'].items()})}  "
@@ -351,8 +377,11 @@ def main(argv=None) -> None:
     out = {"checkpoint": args.checkpoint, "context": args.context, "max_turns": args.max_turns,
            "results": {str(k): v for k, v in results.items()}}
     if args.diagnostics and not args.data:
+        mask_mode, threshold = run_reward_config(args.checkpoint)        # P_mem as the run's reward saw it
         out["diagnostics"] = {str(k): v for k, v in diagnose(model, tokenizer, args.objectives, args.tasks,
-                                                             args.split, args.max_turns, (a, b), prompt).items()}
+                                                             args.split, args.max_turns, (a, b), prompt,
+                                                             mask_mode, threshold).items()}
+        out["diagnostics_mem_mask"] = mask_mode
     print(json.dumps(out))
 
 

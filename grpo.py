@@ -28,8 +28,12 @@ Choices and deviations (the paper / seed do not fix these):
 * norm_by_std=False is Dr.GRPO (score - mean), used by MemTrain.
 * memory_advantage offers four pooling modes: "std" (the paper's pool over trajectories and
   rounds), "none" (pool mean only), "round" (a separate pool per round index k, so round 2
-  memories compete only with round 2 memories), "nonzero" (zero rewards -- usually both
+  memories compete only with round 2 memories; keyed on the real round index that
+  reward.memory_rewards returns in out["rounds"], since a round without a closed </mem> is not
+  scored and list positions then skip it), "nonzero" (zero rewards -- usually both
   probabilities 0, i.e. no signal -- are left out of the pool and get advantage 0).
+  memory_pool_std logs the mean over those same pools (>= 2 rewards) of each pool's unbiased std:
+  the std the advantages are divided by (ALGORITHM.md 4.2).
 * The mem span may include the forced "<mem>" prefix (it belongs to the span), but the
   advantage is multiplied by the loss mask, so forced tokens never receive gradient.
 * token_logprobs returns 0 at t = 0 and wherever the token or its predecessor is padding, so a
@@ -39,10 +43,15 @@ Choices and deviations (the paper / seed do not fix these):
 * KL to the reference is verl's "low_var_kl" (k3) estimator exp(d) - d - 1, d = ref - logp
   clamped to [-20, 20] and the result to [-10, 10], added to every token's loss before
   aggregation.
-* Loss denominators (n_tokens, n_seqs) are for the WHOLE batch: when a batch is split into
-  micro-batches for gradient accumulation, the caller passes the full batch's counts, so the
+* Loss denominators (n_tokens, n_seqs, seq_tokens) are for the WHOLE batch: when a batch is split
+  into micro-batches for gradient accumulation, the caller passes the full batch's counts, so the
   sum of the micro-batch losses equals the full-batch loss (nanochat divides per micro-batch,
   which weights short micro-batches up). Defaults are this call's own counts.
+* A *sequence* in the seq-* modes is a trajectory (Eq. 10 normalises per trajectory), which the
+  trainer stores as several rows (one per round). ``seq_tokens[b]`` is the policy-token count of
+  the whole trajectory row b belongs to and ``n_seqs`` the number of trajectories, so
+  seq-mean-token-mean = mean over trajectories of (mean over that trajectory's policy tokens).
+  Default: every row is a sequence of its own (seq_tokens = the row's count).
 """
 from __future__ import annotations
 
@@ -87,25 +96,49 @@ def _normalise(values: list[float], eps: float, by_std: bool) -> list[float]:
     return [(v - mean) / (std + eps) for v in values]
 
 
-def memory_advantage(mem_rewards: list[list[float]], group_ids: list[int], eps: float = 1e-6,
-                     norm: str = "std") -> list[list[float]]:
-    """Normalise per-round memory rewards over a pool per group; same nested shape out."""
+def _memory_pools(mem_rewards: list[list[float]], group_ids: list[int], rounds: list[list[int]] | None,
+                  norm: str) -> list[list[tuple[int, int]]]:
+    """The pools memory_advantage normalises over: lists of (trajectory i, position k in mem_rewards[i])."""
     if norm not in ("std", "none", "round", "nonzero"):
         raise ValueError(f"unknown norm {norm!r}")
-    # pool key -> list of (trajectory i, round k); the key decides which rewards compete
-    pools: dict[tuple, list[tuple[int, int]]] = {}
+    if norm == "round" and rounds is None:
+        raise ValueError("norm='round' needs the round index of every reward (memory_rewards' out['rounds'])")
+    pools: dict[tuple, list[tuple[int, int]]] = {}   # pool key -> members; the key decides who competes
     for i, (rewards, g) in enumerate(zip(mem_rewards, group_ids)):
         for k, r in enumerate(rewards):
             if norm == "nonzero" and r == 0:
                 continue
-            key = (g, k) if norm == "round" else (g,)
+            key = (g, rounds[i][k]) if norm == "round" else (g,)   # the REAL round index, not position k
             pools.setdefault(key, []).append((i, k))
+    return list(pools.values())
+
+
+def memory_advantage(mem_rewards: list[list[float]], group_ids: list[int],
+                     rounds: list[list[int]] | None = None, eps: float = 1e-6,
+                     norm: str = "std") -> list[list[float]]:
+    """Normalise per-round memory rewards over a pool per group; same nested shape out.
+
+    ``rounds[i][k]`` is the round index of ``mem_rewards[i][k]`` (needed by ``norm="round"`` only:
+    a trajectory may skip a round that wrote no ``<mem>``, so list position is not the round).
+    """
     out = [[0.0] * len(rewards) for rewards in mem_rewards]
-    for members in pools.values():
+    for members in _memory_pools(mem_rewards, group_ids, rounds, norm):
         normed = _normalise([mem_rewards[i][k] for i, k in members], eps, by_std=norm != "none")
         for (i, k), a in zip(members, normed):
             out[i][k] = a
     return out
+
+
+def memory_pool_std(mem_rewards: list[list[float]], group_ids: list[int],
+                    rounds: list[list[int]] | None = None, norm: str = "std") -> float:
+    """Mean over the pools of ``memory_advantage(norm=norm)`` that hold >= 2 rewards of their unbiased std; 0 if none."""
+    stds = []
+    for members in _memory_pools(mem_rewards, group_ids, rounds, norm):
+        vals = [mem_rewards[i][k] for i, k in members]
+        if len(vals) > 1:
+            mean = sum(vals) / len(vals)
+            stds.append((sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5)
+    return sum(stds) / len(stds) if stds else 0.0
 
 
 def token_advantages(outcome_adv: Tensor, mem_adv: Tensor, mem_span: Tensor, loss_mask: Tensor,
@@ -135,8 +168,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 agg: str = "token-mean", ref_logp: Tensor | None = None, kl_coef: float = 0.0,
                 n_tokens: float | None = None, n_seqs: float | None = None,
-                ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped PPO surrogate (+ dual clip, + k3 KL) aggregated by `agg`; all inputs (B, T)."""
+                seq_tokens: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Clipped PPO surrogate (+ dual clip, + k3 KL) aggregated by `agg`; inputs (B, T), seq_tokens (B,)."""
     mask = mask.to(logp.dtype)
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)                                                       # (B, T)
@@ -156,12 +189,14 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         n_tokens = mask.sum().item()
     if n_seqs is None:
         n_seqs = (row_tokens > 0).sum().item()
+    if seq_tokens is None:
+        seq_tokens = row_tokens
     n_tokens, n_seqs = max(float(n_tokens), 1.0), max(float(n_seqs), 1.0)
     row_sum = (loss_tok * mask).sum(-1)                                                # (B,)
     if agg == "token-mean":
         loss = row_sum.sum() / n_tokens
     elif agg == "seq-mean-token-mean":
-        loss = (row_sum / row_tokens.clamp(min=1)).sum() / n_seqs
+        loss = (row_sum / seq_tokens.to(row_sum.dtype).clamp(min=1)).sum() / n_seqs
     elif agg == "seq-mean-token-sum":
         loss = row_sum.sum() / n_seqs
     else:

@@ -1,6 +1,8 @@
 """Evaluation metrics and memory diagnostics, on expert trajectories replayed through the real tool."""
 import json
 
+import pytest
+
 import data
 from eval import mean_ci, memory_diagnostics, summarize
 from memory import Record, tool_record
@@ -68,7 +70,15 @@ def test_compare_two_variants_over_seeds_and_plots(sft_run, tmp_path):
     res = compare({"a": [run, run], "b": [run]}, [1, 2], 3, "valid", "snail", 6, (1, 1), torch.device("cpu"))
     assert set(res) == {"a", "b"} and set(res["a"]) == {1, 2, "by_ago"}
     f1, ci = res["a"][2]["f1"]
-    assert 0.0 <= f1 <= 1.0 and ci == 0.0                 # the same run twice: no spread
+    assert ci == 0.0                                      # the same run twice: no spread
+    from eval import embedded_tasks, greedy_agent, load, run_episodes
+    model, tok, _ = load(run, torch.device("cpu"))
+    tasks, tool = embedded_tasks(2, 3, 0, "valid", (1, 1))
+    trajs = run_episodes(model, tok, tasks, tool, greedy_agent("snail", 6))
+    assert f1 == summarize(trajs)["f1"]                   # the value, computed without compare()
+    ret = memory_diagnostics(trajs, tasks)["retention"]
+    got = res["a"][2]["retention"][0]
+    assert got == ret or (ret != ret and got != got)      # nan (no entity was needed yet) on both sides
     assert res["a"][2]["f1"][0] == res["b"][2]["f1"][0]    # greedy eval is deterministic
     assert "1-1" in res["a"]["by_ago"]
     paths = plot_compare(res, str(tmp_path / "plots"))
@@ -77,3 +87,58 @@ def test_compare_two_variants_over_seeds_and_plots(sft_run, tmp_path):
         assert len(paths) == 2 and all((tmp_path / "plots" / p.split("/")[-1]).stat().st_size > 0 for p in paths)
     except ImportError:
         assert paths == []
+
+
+def test_run_reward_config_reads_the_run_not_the_model_config(tmp_path):
+    import train
+    from eval import run_reward_config
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    assert run_reward_config(str(tmp_path / "final")) == (train.Config().mem_mask, train.Config().threshold)
+    (tmp_path / "config.json").write_text(json.dumps({"mem_mask": "separate", "threshold": 0.3, "seed": 0}))
+    assert run_reward_config(str(tmp_path)) == ("separate", 0.3)
+    assert run_reward_config(str(tmp_path / "final")) == ("separate", 0.3)
+    assert run_reward_config(str(tmp_path / "final") + "/") == ("separate", 0.3)
+
+
+def real_replay(tok, task, tool, gid):
+    """An expert episode as rollout records it: real context ids, forced prefix from round 2, <mem> span."""
+    from memory import mem_token_end, prepare_prompt
+    from rollout import encode_chat
+    records = [Record("prompt", task.question)]
+    traj = Trajectory(task.question, task.golds, gid, encode_chat(tok, prepare_prompt(records, data.SYSTEM_PROMPT)),
+                      records)
+    for t, (text, query) in enumerate(data.expert_episode(task)):
+        ids = tok.encode(text, add_special_tokens=False)
+        pre = ids[:1] if t > 0 else []
+        ctx = encode_chat(tok, prepare_prompt(traj.records, data.SYSTEM_PROMPT))
+        traj.rounds.append(Round(ctx, pre, ids[len(pre):], text, mem_token_end(tok, ids), parse_action(text)[0]))
+        traj.records.append(Record("llm_gen", text))
+        if query is not None:
+            traj.records.append(tool_record("search_results", tool.search(" ".join(query))))
+    return traj
+
+
+def test_p_by_round_uses_the_training_mask_mode_by_default(sft_run):
+    import train
+    from eval import load, p_by_round
+    from reward import memory_rewards
+    import torch
+    model, tok, _ = load(str(sft_run), torch.device("cpu"))
+    world, tasks = data.make_tasks(34, 6, [2], (1, 2))
+    tool = SearchTool(world.docs)
+    trajs = [real_replay(tok, t, tool, i) for i, t in enumerate(tasks)]
+    # a threshold at which the two mask modes disagree on these contexts (so the default is visible)
+    thr = next(t for t in (0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005)
+               if memory_rewards(model, tok, trajs, t, "full")["p_mem"]
+               != memory_rewards(model, tok, trajs, t, "separate")["p_mem"])
+
+    def by_round(mode):
+        m = memory_rewards(model, tok, trajs, thr, mode)
+        rounds = [t for rs in m["rounds"] for t in rs]
+        return {str(r + 1): sum(p for p, t in zip(m["p_mem"], rounds) if t == r) / rounds.count(r) for r in set(rounds)}
+    got = {k: v["p_mem"] for k, v in p_by_round(model, tok, trajs, threshold=thr).items()}
+    assert train.Config().mem_mask == "full"
+    assert got == pytest.approx(by_round("full"), abs=1e-9) and got != pytest.approx(by_round("separate"), abs=1e-9)
+    sep = {k: v["p_mem"] for k, v in p_by_round(model, tok, trajs, thr, mask_mode="separate").items()}
+    assert sep == pytest.approx(by_round("separate"), abs=1e-9)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from grpo import (filter_groups, grouped_advantage, memory_advantage, policy_loss,
+from grpo import (filter_groups, grouped_advantage, memory_advantage, memory_pool_std, policy_loss,
                   token_advantages, token_logprobs)
 
 
@@ -69,11 +69,38 @@ def test_memory_norm_none():
 
 
 def test_memory_norm_round():
-    # round 0 pool {0.2, 0.0, 0.6}: mean 0.2667, std 0.3055; round 1 pool {0.4, 0.8}: mean 0.6, std 0.2828
-    out = memory_advantage([[0.2, 0.4], [0.0], [0.6, 0.8]], [0, 0, 0], norm="round")
+    # rounds given as memory_rewards returns them (round 1 = index 1; round 0 is never scored)
+    # round-1 pool {0.2, 0.0, 0.6}: mean 0.2667, std 0.3055; round-2 pool {0.4, 0.8}: mean 0.6, std 0.2828
+    out = memory_advantage([[0.2, 0.4], [0.0], [0.6, 0.8]], [0, 0, 0], [[1, 2], [1], [1, 2]], norm="round")
     m0, s0 = 0.8 / 3, math.sqrt(((0.2 - 0.8 / 3) ** 2 + (0.8 / 3) ** 2 + (0.6 - 0.8 / 3) ** 2) / 2)
     s1 = math.sqrt(0.08)
     _close(out, [[(0.2 - m0) / s0, -0.2 / s1], [(0.0 - m0) / s0], [(0.6 - m0) / s0, 0.2 / s1]])
+    with pytest.raises(ValueError, match="round index"):      # list position is not the round: refuse to guess
+        memory_advantage([[0.2]], [0], norm="round")
+
+
+def test_memory_norm_round_pools_by_round_index_not_position():
+    # trajectory 0 scored rounds 1 and 3 (round 2 wrote no closed </mem>), trajectory 1 rounds 1, 2, 3.
+    # pools: round 1 {0.1, 0.3}, round 2 {0.5} (alone -> 0), round 3 {0.9, 0.2}
+    out = memory_advantage([[0.1, 0.9], [0.3, 0.5, 0.2]], [0, 0], [[1, 3], [1, 2, 3]], norm="round")
+    s = math.sqrt(0.02)              # std of {0.1, 0.3}; {0.9, 0.2}: std sqrt(0.245)
+    t = math.sqrt(0.245)
+    _close(out, [[-0.1 / s, 0.35 / t], [0.1 / s, 0.0, -0.35 / t]])
+    # by list position trajectory 0's round 3 would have met trajectory 1's round 2 (0.9 vs 0.5)
+    assert out[1][1] == 0.0
+
+
+def test_memory_pool_std_is_the_mean_of_the_pools_stds():
+    rewards, gids, rounds = [[0.1, 0.9], [0.3, 0.5, 0.2], [0.0, 4.0]], [0, 0, 1], [[1, 3], [1, 2, 3], [1, 2]]
+    pool0 = [0.1, 0.9, 0.3, 0.5, 0.2]
+    m = sum(pool0) / 5
+    s0 = math.sqrt(sum((v - m) ** 2 for v in pool0) / 4)
+    assert memory_pool_std(rewards, gids, rounds, "std") == pytest.approx((s0 + math.sqrt(8.0)) / 2)
+    # round pools with >= 2 rewards: group 0 rounds 1 and 3; group 1 has one reward per round
+    assert memory_pool_std(rewards, gids, rounds, "round") == pytest.approx((math.sqrt(0.02) + math.sqrt(0.245)) / 2)
+    # nonzero drops the 0.0: group 1's pool is {4.0} alone, so only group 0 counts
+    assert memory_pool_std(rewards, gids, rounds, "nonzero") == pytest.approx(s0)
+    assert memory_pool_std([[0.5]], [0]) == 0.0
 
 
 def test_memory_norm_nonzero():
@@ -240,3 +267,38 @@ def test_temperature_is_applied(tiny_qwen):
             assert torch.allclose(out[:, 1:], manual, atol=1e-5) and (out[:, 0] == 0).all()
         assert not torch.allclose(token_logprobs(tiny_qwen, ids, attn, temperature=0.5),
                                   token_logprobs(tiny_qwen, ids, attn, temperature=1.0))
+
+
+# ---------------------------------------------------------------- seq-mean-token-mean per trajectory
+def test_seq_mean_token_mean_averages_per_trajectory_across_micro_batches():
+    """Rows are rounds; a sequence is a trajectory. Naive: per trajectory, the mean loss of all its
+    policy tokens; then the mean over trajectories. Micro-batches split trajectories 0 and 1."""
+    logp, old, adv, mask, _ = _random_batch(B=7, seed=3)
+    traj = [0, 0, 1, 1, 1, 2, 3]                    # row 2 (traj 1) has no policy tokens
+    mask[6] = 0                                     # trajectory 3: no policy tokens at all -> not counted
+    leaf = logp.clone().requires_grad_(True)
+    per_traj: dict[int, list] = {}
+    for b in range(7):
+        for t in range(logp.shape[1]):
+            if mask[b, t]:
+                r = torch.exp(leaf[b, t] - old[b, t])
+                pg = torch.maximum(-adv[b, t] * r, -adv[b, t] * r.clamp(0.8, 1.2))
+                per_traj.setdefault(traj[b], []).append(pg)
+    naive = sum(sum(v) / len(v) for v in per_traj.values()) / len(per_traj)
+    naive.backward()
+    naive_grad = leaf.grad.clone()
+
+    seq_tokens = torch.tensor([float(sum(mask[j].sum() for j in range(7) if traj[j] == traj[b])) for b in range(7)])
+    n_tokens, n_seqs = mask.sum().item(), float(len(per_traj))
+    leaf.grad = None
+    total = 0.0
+    for sl in (slice(0, 1), slice(1, 3), slice(3, 7)):
+        part, _ = policy_loss(leaf[sl], old[sl], adv[sl], mask[sl], agg="seq-mean-token-mean",
+                              n_tokens=n_tokens, n_seqs=n_seqs, seq_tokens=seq_tokens[sl])
+        part.backward()
+        total += part.item()
+    assert abs(total - naive.item()) < 1e-10
+    assert torch.allclose(leaf.grad, naive_grad, atol=1e-12)
+    # per-round rows (the old behaviour: each row its own sequence) give a different loss here
+    rows, _ = policy_loss(logp, old, adv, mask, agg="seq-mean-token-mean")
+    assert abs(rows.item() - naive.item()) > 1e-3

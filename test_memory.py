@@ -27,10 +27,29 @@ def test_seed_example_round5_sees_only_round4():
         assert f"memory{t}" not in joined and f"result{t}" not in joined
 
 
-def test_no_nested_mem_defect():
-    msgs = prepare_prompt(four_rounds(), SYS)
-    assert msgs[2]["content"].count("<mem>") == 1
-    assert "<mem><mem>" not in msgs[2]["content"].replace(" ", "")
+def test_no_nested_mem_defect_through_the_real_record_path(sft_run):
+    """forced "<mem>" prefix + sampled output -> llm_gen record -> the next round's context: one <mem>, not two."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rollout import AgentConfig, SearchTool, rollout
+    model = AutoModelForCausalLM.from_pretrained(sft_run / "final").eval()
+    tok = AutoTokenizer.from_pretrained(sft_run / "final")
+    world, tasks = data.make_tasks(5, 6, [2], (1, 2))
+    cfg = AgentConfig(system_prompt=SYS, max_turns=5, max_new_tokens=60, temperature=0.0)
+    trajs = rollout(model, tok, tasks, 1, SearchTool(world.docs), cfg, torch.Generator().manual_seed(0))
+    mem_id = tok.convert_tokens_to_ids("<mem>")
+    checked = 0
+    for t in trajs:
+        for k in range(2, len(t.rounds)):                # round k's context shows round k-1, which had the prefix
+            prev = t.rounds[k - 1]
+            assert prev.prefix_ids == [mem_id] and prev.output_ids[0] != mem_id
+            ctx = t.rounds[k].context_ids
+            assert ctx.count(mem_id) == 1                # snail: only round k-1's memory
+            i = ctx.index(mem_id)
+            assert ctx[i:i + len(prev.round_ids)] == prev.round_ids   # exactly what was forced + sampled, once
+            assert "<mem> <mem>" not in tok.decode(ctx) and "<mem><mem>" not in tok.decode(ctx)
+            checked += 1
+    assert checked >= 3
 
 
 def test_short_text_search_full_webpage_truncated():

@@ -300,6 +300,23 @@ def test_memory_reward_sign(tok, copy_model):
         assert not any(math.isnan(v) for v in values)
 
 
+def test_memory_reward_gate_takes_positive_credit_from_invented_memories_only(tok, copy_model):
+    from memory import tool_record
+    x = NAMES[5]
+    lost, kept = _trajectory(tok, x, ["1 : friend"]), _trajectory(tok, x, [f"1 : friend {x}"])
+    plain = memory_rewards(copy_model, tok, [lost, kept])
+    (r_lost,), (r_kept,) = plain["rewards"]
+    assert r_lost < 0 < r_kept and plain["ungrounded"] == 0
+    # no tool result in the records: x appears in no source, so the kept memory is "invented"
+    gated = memory_rewards(copy_model, tok, [lost, kept], gate=True)
+    assert gated["rewards"] == [[r_lost], [0.0]] and gated["ungrounded"] == 1
+    assert gated["p_mem"] == plain["p_mem"] and gated["p_full"] == plain["p_full"]
+    # a round-1 search result that shows x grounds it: the credit comes back
+    kept.records = [tool_record("search_results", f"<information> d2 {x} friend </information>")]
+    regated = memory_rewards(copy_model, tok, [lost, kept], gate=True)
+    assert regated["rewards"] == [[r_lost], [r_kept]] and regated["ungrounded"] == 0
+
+
 def test_memory_reward_rounds_and_nothing_to_score(tok):
     class NoForward(torch.nn.Module):
         def forward(self, *args, **kwargs):

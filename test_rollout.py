@@ -109,3 +109,124 @@ def test_untrained_model_output_never_crashes_and_scores_zero(tiny):
         assert o["score"] == 0.0 and not o["valid"]
         r = t.rounds[0]
         assert r.context_ids == t.prompt_ids and r.prefix_ids == []   # round 1: no forced prefix
+
+
+# ---------------------------------------------------------------- sampling distribution
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    keep = probs > 0
+    return float((((counts - n * probs) ** 2)[keep] / (n * probs[keep])).sum())
+
+
+def test_sampled_frequencies_match_softmax_over_temperature_and_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    N, T = 40000, 0.7
+    gen = torch.Generator().manual_seed(0)
+    draws = sample_next(logits.repeat(N, 1), T, 1.0, gen)
+    counts = torch.bincount(draws, minlength=6).double()
+    probs = torch.softmax(logits.double() / T, -1)
+    # chi-square with 5 degrees of freedom: 99.99% quantile ~25.7; the untempered softmax is far off
+    assert _chi2(counts, probs) < 25.7
+    assert _chi2(counts, torch.softmax(logits.double(), -1)) > 500
+    # top-p 0.8 at T = 0.7: probs 0.672, 0.161, 0.078, ... -> the nucleus is the tokens before the mass reaches 0.8
+    nucleus = probs * ((probs.cumsum(-1) - probs) < 0.8)
+    assert (nucleus > 0).sum() == 2
+    draws = sample_next(logits.repeat(N, 1), T, 0.8, gen)
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[2:].sum() == 0
+    assert _chi2(counts, nucleus / nucleus.sum()) < 16.0                  # 1 dof: 99.99% quantile ~15.1
+
+
+# ---------------------------------------------------------------- the agent loop with a trained policy
+def _contains(ids: list[int], sub: list[int]) -> bool:
+    return any(ids[i:i + len(sub)] == sub for i in range(len(ids) - len(sub) + 1))
+
+
+@pytest.fixture(scope="module")
+def sft_policy(sft_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return AutoModelForCausalLM.from_pretrained(sft_run / "final").eval(), AutoTokenizer.from_pretrained(sft_run / "final")
+
+
+def test_forced_prefix_from_round_two_is_context_not_policy(sft_policy):
+    import train
+    model, tok = sft_policy
+    w, tasks = data.make_tasks(3, 6, [2], (1, 2))
+    prefix = tok.encode("<mem>", add_special_tokens=False)
+    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=4, max_new_tokens=60, temperature=0.0)
+    trajs = rollout(model, tok, tasks, 1, SearchTool(w.docs), cfg)
+    later = [r for t in trajs for r in t.rounds[1:]]
+    assert len(later) >= 6
+    for t in trajs:
+        assert t.rounds[0].prefix_ids == []
+        for r in t.rounds[1:]:
+            assert r.prefix_ids == prefix and r.text.startswith("<mem>") and tok.decode(prefix + r.output_ids) == r.text
+            assert r.output_ids[:1] != prefix                                   # the model continues after <mem>
+    assert sum(r.mem_end > len(prefix) for r in later) >= 0.8 * len(later)      # the span includes the prefix
+    samples = train.build_samples(trajs, torch.ones(len(trajs)), None, None)
+    x = train.collate(samples, tok.pad_token_id, "cpu")
+    for i, s in enumerate(samples):
+        start = s.n_prompt - s.n_prefix
+        assert x["loss_mask"][i, :s.n_prompt].sum() == 0 and x["loss_mask"][i, s.n_prompt:len(s.ids)].all()
+        assert s.ids[start:s.n_prompt] == ([] if s.n_prefix == 0 else prefix)
+    assert sum(s.n_prefix == 1 for s in samples) == len(later)
+    # mem_prefix=False: nothing is forced in any round
+    off = rollout(model, tok, tasks, 1, SearchTool(w.docs), AgentConfig(
+        system_prompt=data.SYSTEM_PROMPT, max_turns=4, max_new_tokens=60, temperature=0.0, mem_prefix=False))
+    assert sum(len(t.rounds) for t in off) >= 12
+    assert all(r.prefix_ids == [] and r.text == tok.decode(r.output_ids) for t in off for r in t.rounds)
+
+
+def test_full_context_keeps_every_round_and_tool_result_snail_drops_them(sft_policy):
+    model, tok = sft_policy
+    w, tasks = data.make_tasks(4, 4, [2], (2, 2))
+    for context in ("full", "snail"):
+        cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=context, max_turns=4, max_new_tokens=60,
+                          temperature=0.0)
+        trajs = rollout(model, tok, tasks, 1, SearchTool(w.docs), cfg)
+        checked = 0
+        for t in trajs:
+            gens = [r.text for r in t.records if r.type == "llm_gen"]
+            tools = [r.text for r in t.records if r.type != "llm_gen"][1:]
+            for k in range(2, len(t.rounds)):          # round k saw rounds 0..k-1 and their tool results
+                ctx = t.rounds[k].context_ids
+                old = [tok.encode(gens[0], add_special_tokens=False), tok.encode(tools[0], add_special_tokens=False)]
+                assert all(_contains(ctx, o) for o in old) == (context == "full")
+                assert _contains(ctx, tok.encode(tools[k - 1], add_special_tokens=False))   # the newest is always there
+                checked += 1
+        assert checked >= 2
+
+
+def test_accessed_page_reaches_the_next_snail_context_as_its_first_100_characters():
+    """A tiny model overfit to one round that accesses a page; the real loop records and shows the page."""
+    from memory import Record, prepare_prompt
+    from rollout import encode_chat
+    tok = data.build_tokenizer()
+    names = data.name_pool()
+    page = " ".join(names[:36])                        # 180 characters; names[35] lies beyond character 100
+    tool = SearchTool([{"id": "d1", "contents": page}, {"id": "d2", "contents": " ".join(names[36:42])}])
+    full_page = tool.access("d1")
+    assert len(full_page) > 130 and names[35] not in full_page[:100]
+    question = f"1 : {names[44]} friend _"
+    ctx = encode_chat(tok, prepare_prompt([Record("prompt", question)], data.SYSTEM_PROMPT))
+    out = tok.encode("<think> search </think> <access> d1 </access>", add_special_tokens=False)
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids = torch.tensor([ctx + out])
+    labels = torch.tensor([[-100] * len(ctx) + out])
+    for _ in range(60):
+        opt.zero_grad()
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+    model.eval()
+    task = data.Task(question, [[names[45]]])
+    for context, shown in (("snail", full_page[:100]), ("full", full_page)):
+        cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=context, max_turns=2, max_new_tokens=12,
+                          temperature=0.0)
+        (traj,) = rollout(model, tok, [task], 1, tool, cfg)
+        assert traj.rounds[0].action == "access" and len(traj.rounds) == 2
+        rec = traj.records[2]                          # prompt, round 1, its tool result, round 2
+        assert rec.type == "webpage" and rec.text == full_page and rec.short_text == full_page[:100]
+        ctx2 = traj.rounds[1].context_ids
+        assert _contains(ctx2, tok.encode(shown, add_special_tokens=False))
+        assert _contains(ctx2, tok.encode(names[35], add_special_tokens=False)) == (context == "full")

@@ -15,8 +15,12 @@ import data
 import train
 from rollout import AgentConfig
 
-RL_ARGS = ["--rl-steps", "4", "--questions", "2", "--group", "3", "--max-turns", "5", "--rl-objectives", "1",
-           "--rl-hops", "1-2", "--eval-every", "0", "--save-every", "1", "--lr", "1e-3", "--max-new-tokens", "40"]
+# The fixture policy answers no question right (every score 0), so an update needs the memory reward to
+# vary: threshold 0 makes P a geometric mean over all gold tokens (never exactly 0). Measured on the
+# fixture: with these settings every one of 4 steps updated; at threshold 0.5, T 1.5 and lr 1e-3 all were skipped.
+RL_ARGS = ["--rl-steps", "4", "--questions", "2", "--group", "3", "--max-turns", "5", "--rl-objectives", "2",
+           "--rl-hops", "1-2", "--eval-every", "0", "--save-every", "1", "--lr", "1e-4", "--max-new-tokens", "40",
+           "--temperature", "0.5", "--threshold", "0"]
 
 
 def read_metrics(path):
@@ -28,10 +32,21 @@ def read_metrics(path):
 
 
 def test_sft_loss_falls_and_policy_writes_valid_rounds(sft_run):
+    from reward import _check_round, outcome_reward
+    from rollout import SearchTool, rollout
     m = read_metrics(sft_run / "metrics.jsonl")
     losses = [r["loss"] for (stage, _), r in sorted(m.items()) if stage == "sft"]
     assert losses[-1] < 0.5 * losses[0]
     assert (sft_run / "final" / "config.json").exists() and (sft_run / "sft" / "trainer.pt").exists()
+    # the policy writes rounds that pass the format rules (an untrained model passes none: test_rollout)
+    model, tok = load(sft_run / "final")
+    world, tasks = data.make_tasks(3, 16, [2], (1, 2))
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=6, max_new_tokens=60, temperature=0.0)
+    trajs = rollout(model, tok, tasks, 1, SearchTool(world.docs), agent)
+    rounds = [(t, r.text) for tr in trajs for t, r in enumerate(tr.rounds[:-1])]    # all but the last: no answer yet
+    assert len(rounds) >= 32
+    assert sum(_check_round(text, t, False, 2) is None for t, text in rounds) >= 0.8 * len(rounds)
+    assert sum(outcome_reward(tr)["valid"] for tr in trajs) >= 2
 
 
 def load(path):
@@ -40,10 +55,11 @@ def load(path):
 
 def test_rl_step_logs_finite_metrics_and_updates_only_when_not_skipped(sft_run):
     model, tok = load(sft_run / "final")
-    cfg = train.parse_args(RL_ARGS + ["--algo", "mempo", "--rl-objectives", "2", "--temperature", "1.5"])
+    cfg = train.parse_args(RL_ARGS + ["--algo", "mempo"])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context="snail", max_turns=cfg.max_turns,
                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    updated = 0
     for step in range(2):
         before = [p.detach().clone() for p in model.parameters()]
         m = train.rl_step(model, None, tok, opt, cfg, step, agent)
@@ -52,7 +68,9 @@ def test_rl_step_logs_finite_metrics_and_updates_only_when_not_skipped(sft_run):
             assert k in m and m[k] == m[k] and abs(m[k]) < float("inf"), (k, m)
         changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert changed == ("skipped" not in m)
+        updated += changed
         json.dumps(m)
+    assert updated >= 1, "every step was skipped: nothing above tested an update"
 
 
 def hand_built_samples(n=6, seed=0):
@@ -85,7 +103,156 @@ def test_ppo_update_with_two_epochs_and_kl_reference_is_finite():
     cfg = train.parse_args(["--lr", "1e-2", "--ppo-epochs", "2", "--kl-coef", "0.1", "--agg", "seq-mean-token-mean"])
     m = train.ppo_update(model, ref, torch.optim.AdamW(model.parameters(), lr=cfg.lr), hand_built_samples(seed=1),
                          cfg, tok.pad_token_id)
-    assert "skipped" not in m and m["kl"] >= 0 and m["clip_frac"] > 0      # epoch 2 moved off-policy
+    assert "skipped" not in m and m["clip_frac"] > 0      # epoch 2 moved off-policy
+    assert m["kl"] > 1e-6                                  # ... and away from the reference
+    # one epoch against a reference equal to the policy: k3 is exactly 0 on every token
+    model2 = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    cfg1 = train.parse_args(["--kl-coef", "0.1", "--agg", "seq-mean-token-mean"])
+    m1 = train.ppo_update(model2, copy.deepcopy(model2), torch.optim.AdamW(model2.parameters()),
+                          hand_built_samples(seed=1), cfg1, tok.pad_token_id)
+    assert m1["kl"] == 0.0
+
+
+def _sgd_step(samples, cfg_args, seed=0):
+    """Weights after one ppo_update with plain SGD at lr 1 and no clipping: old - new = the gradient."""
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, seed=seed)
+    cfg = train.parse_args(cfg_args + ["--grad-clip", "1e9"])
+    before = [p.detach().clone() for p in model.parameters()]
+    m = train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), samples, cfg, tok.pad_token_id)
+    assert "skipped" not in m
+    return [b - p.detach() for b, p in zip(before, model.parameters())], m
+
+
+def _naive_gradient(samples, agg, seed=0):
+    """Each row run alone; on-policy ratio exp(logp - logp.detach()); loss per trajectory, then the mean."""
+    from grpo import token_logprobs
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, seed=seed)
+    per_traj: dict = {}
+    for s in samples:
+        ids = torch.tensor([s.ids])
+        logp = token_logprobs(model, ids, torch.ones_like(ids))[0, s.n_prompt:]          # policy tokens
+        span = torch.zeros(len(s.ids))
+        span[s.n_prompt - s.n_prefix:s.n_prompt - s.n_prefix + s.mem_end] = 1
+        adv = s.adv_t + s.adv_m * span[s.n_prompt:]
+        per_traj.setdefault(s.traj, []).append(-adv * torch.exp(logp - logp.detach()))
+    toks = {k: torch.cat(v) for k, v in per_traj.items()}
+    if agg == "token-mean":
+        loss = sum(t.sum() for t in toks.values()) / sum(len(t) for t in toks.values())
+    else:
+        loss = sum(t.mean() for t in toks.values()) / len(toks)
+    loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_ppo_update_gradient_equals_naive_per_trajectory_loss_with_or_without_micro_batches(agg):
+    samples = hand_built_samples(n=8, seed=2)
+    for i, s in enumerate(samples):
+        s.traj = [0, 0, 0, 1, 1, 2, 3, 3][i]        # rows of one trajectory differ in length: sorting splits them
+    small, m = _sgd_step(samples, ["--agg", agg, "--micro-tokens", "40"])
+    one, _ = _sgd_step(samples, ["--agg", agg, "--micro-tokens", "100000"])
+    batches = train.micro_batches(samples, 40)
+    assert len(batches) >= 3
+    split = [t for t in range(4) if len({bi for bi, b in enumerate(batches) for s in b if s.traj == t}) > 1]
+    assert split, "no trajectory was split across micro-batches"
+    naive = _naive_gradient(samples, agg)
+    for a, b, g in zip(small, one, naive):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+        assert torch.allclose(a, g, atol=1e-6), (a - g).abs().max()
+
+
+def test_update_raises_logprob_of_positive_and_lowers_negative_advantage_tokens():
+    from grpo import token_logprobs
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    up = train.Sample(tok.encode("<mem> 1 = bobi friend </mem> <think> search </think>", add_special_tokens=False),
+                      3, adv_t=1.0, traj=0)
+    down = train.Sample(tok.encode("<think> answer </think> <answer> gonu </answer>", add_special_tokens=False),
+                        3, adv_t=-1.0, traj=1)
+
+    def policy_logp(s):
+        ids = torch.tensor([s.ids])
+        with torch.no_grad():
+            return token_logprobs(model, ids, torch.ones_like(ids))[0, s.n_prompt:].sum().item()
+    before = policy_logp(up), policy_logp(down)
+    cfg = train.parse_args(["--lr", "1e-3"])
+    train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=cfg.lr), [up, down], cfg, tok.pad_token_id)
+    after = policy_logp(up), policy_logp(down)
+    assert after[0] > before[0] and after[1] < before[1]
+
+
+def _round(context, prefix, output, mem_end, action="search", text=""):
+    from rollout import Round
+    return Round(context, prefix, output, text, mem_end, action)
+
+
+def test_build_samples_and_collate_place_mem_span_and_memory_advantage_by_round_index():
+    from rollout import Trajectory
+    ctx0, ctx1, ctx2 = [1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 6, 7]
+    t0 = Trajectory("q", [["a"]], 0, [1, 2], [], [
+        _round(ctx0, [], [10, 11, 12], 0),                 # round 0: never scored
+        _round(ctx1, [20], [21, 22, 23, 24], 3),           # round 1: <mem> span = prefix + 2 sampled tokens
+        _round(ctx2, [20], [31], 0),                       # round 2: no closed </mem> -> no memory reward
+        _round(ctx1, [20], [41, 42], 2, "answer")])        # round 3
+    t1 = Trajectory("q", [["a"]], 0, [1, 2], [], [_round(ctx0, [], [], 0), _round(ctx2, [20], [51, 52], 1)])
+    mem = {"rounds": [[1, 3], [1]]}
+    samples = train.build_samples([t0, t1], torch.tensor([0.5, -2.0]), mem, [[1.5, -0.25], [7.0]])
+    # t1's round 0 sampled nothing: no row
+    assert [(s.traj, s.adv_t, s.adv_m) for s in samples] == [(0, 0.5, 0.0), (0, 0.5, 1.5), (0, 0.5, 0.0),
+                                                          (0, 0.5, -0.25), (1, -2.0, 7.0)]
+    assert samples[1].ids == ctx1 + [20, 21, 22, 23, 24] and samples[1].n_prompt == 6 and samples[1].n_prefix == 1
+    x = train.collate(samples, pad_id=0, device="cpu")
+    assert x["ids"].shape == (5, 10) and x["attn"][1].tolist() == [1] * 10
+    assert x["loss_mask"][1].tolist() == [0] * 6 + [1] * 4           # the forced prefix (position 5) is mask 0
+    assert x["mem_span"][1].tolist() == [0] * 5 + [1] * 3 + [0] * 2   # prefix + 2 sampled tokens
+    assert x["mem_span"][0].sum() == 0 and x["loss_mask"][0].tolist() == [0] * 3 + [1] * 3 + [0] * 4
+    assert x["mem_span"][4].tolist() == [0] * 4 + [1] + [0] * 5 and x["ids"][4].tolist() == ctx2 + [20, 51, 52, 0, 0, 0]
+    assert x["adv_m"].tolist() == [0.0, 1.5, 0.0, -0.25, 7.0] and x["adv_t"].tolist() == [0.5] * 4 + [-2.0]
+    from grpo import token_advantages
+    adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"])
+    assert adv[1].tolist() == [0] * 6 + [2.0, 2.0, 0.5, 0.5]            # A_T + A_M on sampled <mem> tokens only
+
+
+def test_faithful_sets_its_four_options():
+    cfg = train.parse_args(["--faithful", "--mem-mask", "full", "--mem-adv-norm", "nonzero", "--mem-weight", "0.2",
+                            "--mem-gate", "--threshold", "0.9"])
+    assert (cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.mem_gate, cfg.threshold) == ("separate", "std", 1.0,
+                                                                                            False, 0.5)
+    d = train.parse_args([])
+    assert (d.mem_mask, d.mem_adv_norm, d.mem_weight, d.mem_gate) == ("full", "nonzero", 1.0, False)
+
+
+def test_train_context_reaches_the_rollout_agent():
+    assert train.agent_config(train.parse_args(["--train-context", "full"])).context == "full"
+    agent = train.agent_config(train.parse_args(["--temperature", "0.7", "--max-turns", "3"]))
+    assert (agent.context, agent.temperature, agent.max_turns) == ("snail", 0.7, 3)
+
+
+TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--sft-batch", "8", "--sft-steps", "12",
+        "--sft-copy-steps", "4", "--sft-save-every", "5", "--rl-steps", "0", "--eval-every", "0",
+        "--sft-objectives", "1-2", "--hops", "1-2"]
+
+
+def test_resume_during_sft_gives_the_uninterrupted_weights(tmp_path, monkeypatch):
+    train.main(["--run", str(tmp_path / "full")] + TINY)
+    real = train.sft_batch
+
+    def crash_at_8(tokenizer, cfg, step):           # the process dies in step 8, after the step-5 checkpoint
+        if step == 8:
+            raise KeyboardInterrupt
+        return real(tokenizer, cfg, step)
+    monkeypatch.setattr(train, "sft_batch", crash_at_8)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["--run", str(tmp_path / "killed")] + TINY)
+    assert torch.load(tmp_path / "killed" / "ckpt" / "trainer.pt", weights_only=False)["state"] == {"stage": "sft",
+                                                                                                  "step": 5}
+    monkeypatch.setattr(train, "sft_batch", real)
+    train.main(["--run", str(tmp_path / "killed"), "--resume"] + TINY)
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "killed" / "final").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_non_finite_update_is_skipped_and_weights_untouched():
@@ -116,29 +283,49 @@ def run_cmd(run, extra):
     return [sys.executable, "train.py", "--run", str(run)] + RL_ARGS + extra
 
 
+def logged_steps(path):
+    """RL steps whose metrics row is complete in ``path`` (a line being written is skipped)."""
+    steps = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("stage") == "rl":
+                steps.add(row["step"])
+    return steps
+
+
 def test_sigkill_then_resume_matches_uninterrupted(sft_run, tmp_path):
+    """KL to the reference and two PPO epochs: a resumed run must keep the reference RL started from."""
     here = os.path.dirname(os.path.abspath(__file__))
-    model_args = ["--model", str(sft_run / "final"), "--algo", "mempo", "--rl-objectives", "2"]
+    model_args = ["--model", str(sft_run / "final"), "--algo", "mempo", "--rl-objectives", "2",
+                  "--kl-coef", "0.05", "--ppo-epochs", "2"]
     full = tmp_path / "full"
     subprocess.run(run_cmd(full, model_args), cwd=here, check=True, capture_output=True)
     killed = tmp_path / "killed"
     p = subprocess.Popen(run_cmd(killed, model_args), cwd=here, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt_state = killed / "ckpt" / "trainer.pt"
+    # step 2's row is logged after the step-2 checkpoint was renamed into place (never read a checkpoint itself)
     deadline = time.time() + 300
-    while time.time() < deadline:
-        if ckpt_state.exists() and torch.load(ckpt_state, weights_only=False)["state"]["step"] >= 2:
-            break
+    while time.time() < deadline and 2 not in logged_steps(killed / "metrics.jsonl") and p.poll() is None:
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert not (killed / "final").exists(), "the run finished before it could be killed"
+    assert 3 not in logged_steps(killed / "metrics.jsonl")
     subprocess.run(run_cmd(killed, model_args + ["--resume"]), cwd=here, check=True, capture_output=True)
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
     assert sorted(a) == sorted(b) == [("rl", s) for s in range(4)]
+    updated = 0
     for key in a:
-        for k in ("score", "f1", "tokens", "loss", "mem_reward", "p_mem", "p_full"):
-            if k in a[key]:
-                assert abs(a[key][k] - b[key][k]) < 1e-5, (key, k, a[key][k], b[key][k])
+        assert set(a[key]) == set(b[key]), (key, set(a[key]) ^ set(b[key]))
+        assert "skipped" in a[key] or {"loss", "kl", "p_mem", "pool_std"} <= set(a[key]), (key, a[key])
+        updated += "skipped" not in a[key]
+        for k, v in a[key].items():
+            if isinstance(v, (int, float)) and not k.startswith("sec_"):
+                assert abs(v - b[key][k]) < 1e-5, (key, k, v, b[key][k])
+    assert updated >= 3 and max(a[("rl", s)].get("kl", 0.0) for s in (2, 3)) > 1e-6   # the reference matters
 
 
 def test_fresh_run_refuses_a_folder_that_holds_a_run(tmp_path):

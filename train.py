@@ -34,6 +34,13 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
 * Checkpoints (``save_pretrained`` + optimizer + step + RNG) are written to a temporary folder and
   renamed into place, so a kill leaves either the old or the new one. Data order depends only on
   ``(seed, step)``, so ``--resume`` continues a killed run with the same batches.
+* The KL reference (``--kl-coef`` > 0) is the policy RL started from (the SFT result, or
+  ``--model``). It is saved once, as ``RUN/ref/`` (``save_pretrained``), when RL starts, and every
+  run, fresh or resumed, loads it from there: a resumed run pulls towards the same policy as an
+  uninterrupted one (a copy of the current model would be the step-s checkpoint).
+* ``--agg seq-mean-token-mean`` averages per trajectory (the paper's Eq. 10): every round is a
+  row, and a row's loss is divided by its whole trajectory's policy-token count and by the number
+  of trajectories in the batch (grpo.policy_loss, ``seq_tokens`` / ``n_seqs``).
 """
 from __future__ import annotations
 
@@ -50,7 +57,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 import data
-from grpo import grouped_advantage, memory_advantage, policy_loss, token_advantages, token_logprobs
+from grpo import (grouped_advantage, memory_advantage, memory_pool_std, policy_loss, token_advantages,
+                  token_logprobs)
 from memory import Record, extract_mem, prepare_prompt, tool_record
 from reward import memory_rewards, outcome_reward
 from rollout import (AgentConfig, SearchTool, checkpoint_prompt, encode_chat, load_model, parse_action,
@@ -111,6 +119,7 @@ class Config:
     sft_mem_answer: float = 0.0    # extra SFT rows per episode round: memory-only context -> answer
     # bookkeeping
     save_every: int = 20
+    sft_save_every: int = 500
     eval_every: int = 20
     eval_tasks: int = 32
     resume: bool = False
@@ -152,6 +161,7 @@ def parse_args(argv=None) -> Config:
         "mem_gate": "faithfulness gate: a <mem> with invented words earns no positive memory reward",
         "faithful": "the paper's memory reward exactly: --mem-mask separate --mem-adv-norm std --mem-weight 1, no gate",
         "sft_mem_answer": "probability per expert round of an extra SFT row (prompt + <mem> -> answer), so P_mem is in distribution", "save_every": "checkpoint every N RL steps",
+        "sft_save_every": "checkpoint every N SFT steps",
         "eval_every": "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", "eval_tasks": "tasks per K in the periodic eval",
         "resume": "continue from RUN/ckpt",
     }
@@ -186,6 +196,7 @@ class Sample:
     n_prefix: int = 0
     adv_t: float = 0.0       # outcome advantage of its trajectory
     adv_m: float = 0.0       # memory advantage of this round
+    traj: int | None = None  # trajectory id (rows of one trajectory form one "sequence"); None = its own
 
 
 def episode_samples(tokenizer, question: str, rounds: list[tuple[str, str | None]], system_prompt: str,
@@ -421,7 +432,7 @@ def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: 
                                                      system_prompt=system_prompt)[2]["f1"]
                 model.train()
             log_jsonl(metrics_path, row)
-        if (step + 1) % 500 == 0 and step + 1 < cfg.sft_steps:
+        if (step + 1) % cfg.sft_save_every == 0 and step + 1 < cfg.sft_steps:
             save_checkpoint(ckpt, model, tokenizer, optimizer, {"stage": "sft", "step": step + 1,
                                                                 "precision": cfg.precision}, system_prompt)
     save_checkpoint(os.path.join(cfg.run, "sft"), model, tokenizer, None,
@@ -450,7 +461,7 @@ def build_samples(trajs, adv_t: torch.Tensor, mem: dict | None, mem_adv: list[li
             if not r.output_ids:
                 continue
             samples.append(Sample(r.context_ids + r.round_ids, len(r.context_ids) + len(r.prefix_ids),
-                                  r.mem_end, len(r.prefix_ids), float(adv_t[i]), round_adv.get(r_idx, 0.0)))
+                                  r.mem_end, len(r.prefix_ids), float(adv_t[i]), round_adv.get(r_idx, 0.0), i))
     return samples
 
 
@@ -481,12 +492,14 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         with autocast(cfg, model.device):
             mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
                                  gate=cfg.mem_gate)
-        mem_adv = memory_advantage(mem["rewards"], gids.tolist(), norm=cfg.mem_adv_norm)
+        mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
         flat = [x for r in mem["rewards"] for x in r]
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
         m.update(mem_reward=mean(flat), p_mem=mean(mem["p_mem"]), p_full=mean(mem["p_full"]),
                  mask_mem=mean(mem["mask_mem"]), mask_full=mean(mem["mask_full"]), empty_frac=mem["empty_frac"],
-                 mem_rounds=len(flat), ungrounded=mem["ungrounded"], pool_std=torch.tensor(flat).std().item() if len(flat) > 1 else 0.0)
+                 mem_rounds=len(flat), ungrounded=mem["ungrounded"],
+                 # mean over the advantage's pools (per question; per round / nonzero as --mem-adv-norm) of the pool std
+                 pool_std=memory_pool_std(mem["rewards"], gids.tolist(), mem["rounds"], cfg.mem_adv_norm))
     m["sec_reward"] = time.time() - t0
 
     t0 = time.time()
@@ -505,8 +518,14 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
     m: dict = {}
     batches = micro_batches(samples, cfg.micro_tokens)
     m["padding_waste"] = padding_waste(batches)
-    n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
-    n_seqs = float(len(samples))
+    # the loss denominators, for the WHOLE batch (micro-batches split trajectories): policy tokens,
+    # and per sequence (= trajectory; a row without one is its own) its policy tokens and their count
+    seq_of = lambda s: ("traj", s.traj) if s.traj is not None else ("row", id(s))   # noqa: E731
+    seq_tokens: dict = {}
+    for s in samples:
+        seq_tokens[seq_of(s)] = seq_tokens.get(seq_of(s), 0) + len(s.ids) - s.n_prompt
+    n_tokens = float(sum(seq_tokens.values()))
+    n_seqs = float(sum(1 for n in seq_tokens.values() if n > 0))
     device = model.device
     old = {}
     if cfg.ppo_epochs > 1 or ref_model is not None:
@@ -530,7 +549,8 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
             old_logp = old.get(("old", bi), logp.detach())
             loss, lm = policy_loss(logp, old_logp, adv, x["loss_mask"], cfg.clip_low, cfg.clip_high,
                                    cfg.dual_clip or None, cfg.agg, old.get(("ref", bi)), cfg.kl_coef,
-                                   n_tokens=n_tokens, n_seqs=n_seqs)
+                                   n_tokens=n_tokens, n_seqs=n_seqs,
+                                   seq_tokens=torch.tensor([float(seq_tokens[seq_of(s)]) for s in b], device=device))
             loss.backward()
             total += loss.item()
             w = x["loss_mask"].sum().item() / n_tokens
@@ -546,16 +566,39 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
     return m | stats
 
 
+def agent_config(cfg: Config, system_prompt: str = data.SYSTEM_PROMPT) -> AgentConfig:
+    """The agent of training rollouts: sampled at ``--temperature``, ``--train-context`` snail | full."""
+    return AgentConfig(system_prompt=system_prompt, context=cfg.train_context, max_turns=cfg.max_turns,
+                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+
+
+def reference_model(model, cfg: Config, start: int):
+    """The KL reference = the policy RL started from: saved as ``RUN/ref`` at RL step 0, always loaded from there.
+
+    On ``--resume`` (start > 0) ``model`` is the step-s checkpoint, so the reference must come from disk.
+    It is loaded in the policy's dtype, so at step 0 the KL is exactly 0.
+    """
+    from transformers import AutoModelForCausalLM
+    path = os.path.join(cfg.run, "ref")
+    if start == 0:                      # RL starts (or restarts before its first checkpoint): this is the reference
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    elif not os.path.isdir(path):
+        raise SystemExit(f"--kl-coef > 0 on --resume needs the KL reference {path}, saved when RL started")
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype,
+                                               attn_implementation=model.config._attn_implementation)
+    return ref.to(model.device).eval().requires_grad_(False)
+
+
 def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: str, ckpt: str,
            real_tasks=None, real_tool=None, system_prompt: str = data.SYSTEM_PROMPT) -> None:
     from tqdm import tqdm
     from eval import evaluate_embedded
-    ref_model = None
-    if cfg.kl_coef > 0:
-        import copy
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    agent = AgentConfig(system_prompt=system_prompt, context=cfg.train_context, max_turns=cfg.max_turns,
-                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    ref_model = reference_model(model, cfg, start) if cfg.kl_coef > 0 else None
+    agent = agent_config(cfg, system_prompt)
     bar = tqdm(range(start, cfg.rl_steps), desc=f"rl/{cfg.algo}", initial=start, total=cfg.rl_steps)
     for step in bar:
         m = rl_step(model, ref_model, tokenizer, optimizer, cfg, step, agent, real_tasks, real_tool)
