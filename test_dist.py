@@ -96,6 +96,25 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     train.load_optimizer(model, opt2, whole[0])
     _, osd2 = train.full_state(model, opt2)
     res["adam"] = (osd, osd2)
+    # a non-finite loss on rank 1 only: every rank skips the step, no weight moves
+    train.DIST.fsdp, train.DIST.ddp = False, None
+    model = train.wrap_for_training(tiny_model(tok), torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = split(samples(), rank)
+    if rank == 1:
+        bad[0].adv_t = float("nan")
+    m = train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=0.1), bad, train.parse_args([]),
+                         tok.pad_token_id)
+    res["nan_skipped"] = m.get("skipped", "").startswith("non-finite") and all(
+        torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # an exception on rank 1 in the collective-free phase: rank 0 stops too, naming it (no hang)
+    try:
+        with train.all_ranks_or_none("test phase"):
+            if rank == 1:
+                raise KeyError("bad batch")
+        res["error"] = "none"
+    except Exception as e:
+        res["error"] = repr(e)
     # rollouts: this rank's share of a step's questions, seeded per question
     train.DIST.fsdp = False
     model = tiny_model(tok).eval()
@@ -128,6 +147,8 @@ def test_two_ranks_update_and_rollouts_equal_one_process(tmp_path):
             if mode == "ddp":       # replicated: rank 1 holds the same weights
                 for k, v in r1[(mode, agg)][0].items():
                     assert torch.allclose(v, params[k], atol=1e-7)
+    assert r0["nan_skipped"] and r1["nan_skipped"]
+    assert "1 other rank(s) failed" in r0["error"] and "KeyError('bad batch')" == r1["error"]
     # AdamW state gathered from FSDP2 = the single-process optimizer's state after the same update
     _, _, ref_osd = single_process_update("token-mean", torch.optim.AdamW)
     osd, osd2 = r0["adam"]
