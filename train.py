@@ -165,6 +165,12 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 
+# A small SFT recipe (about 40 s on 2 CPU cores) whose policy already writes valid multi-round
+# trajectories: the test suite's fixture (conftest.py) and bench.py's model when it has no checkpoint.
+SMALL_SFT_ARGS = ["--sft-copy-steps", "200", "--sft-steps", "400", "--sft-batch", "32", "--rl-steps", "0",
+                  "--forget-p", "0.5", "--sft-objectives", "1-2", "--hops", "1-2", "--eval-every", "0"]
+
+
 def int_range(s: str) -> list[int]:
     """'1-3' -> [1, 2, 3]; '2,4' -> [2, 4]."""
     if "-" in s:
