@@ -2,6 +2,8 @@
 
     python train.py                        # embedded default: tiny world, tokenizer and model, CPU ok
     python train.py --model PATH --data qa.jsonl --corpus wiki.jsonl   # a real run (GPU)
+    torchrun --standalone --nproc_per_node 8 train.py --run-dir runs/x ...  # one node, 8 GPUs (section
+                                           # "distributed (torchrun)": questions split over ranks, DDP / FSDP2)
 
 One RL step (the seed's timeline, A4 -> B -> A1 -> A2/A3 -> update):
 
