@@ -34,9 +34,15 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
    (before) and by ``train.micro_batches`` (sorted by length, token budget; after); then, for
    comparison, ``train.micro_batches`` at a quarter of the budget.
 
+7. **processes** (``step_sec_by_procs``): seconds per RL step (default config, B = 8 questions split
+   over the ranks) of ``torchrun --nproc_per_node N train.py --model M`` for each N of ``--procs``
+   (default 1,2), each a fresh run of ``--proc-steps`` steps, the first left out as warm-up. On a
+   2-core CPU the ranks share the cores: a smoke test of the torchrun path, not a speed figure; on a
+   GPU node each rank has its own GPU.
+
 A table on stdout, then ONE JSON line last. The agent loop needs a model that writes valid rounds:
 ``--checkpoint``, else ``runs/default/final``, else ``runs/bench_sft/final``, which the first run
-trains with the test suite's SFT recipe (``conftest.SFT_ARGS``, a few minutes; not counted in the
+trains with ``train.SMALL_SFT_ARGS`` (the test suite's SFT recipe too; a few minutes; not counted in the
 ``--quick`` budget) and later runs reuse. With ``--model-shape qwen2.5-0.5b`` the model is random
 (Qwen2.5-0.5B's body, the world tokenizer's vocabulary), so its rounds rarely end in an action:
 trajectories are one round, nothing is scored in 3, and the update of 5 is skipped (all scores 0).
@@ -88,8 +94,7 @@ def load(args, device: torch.device):
     from transformers import AutoTokenizer
     path = args.checkpoint or next((p for p in DEFAULT_CHECKPOINTS if os.path.exists(p)), "")
     if not path:                       # train the test suite's SFT recipe once; later runs reuse it
-        from conftest import SFT_ARGS
-        train.main(["--run", os.path.dirname(DEFAULT_CHECKPOINTS[-1]), "--device", device.type] + SFT_ARGS)
+        train.main(["--run", os.path.dirname(DEFAULT_CHECKPOINTS[-1]), "--device", device.type] + train.SMALL_SFT_ARGS)
         path = DEFAULT_CHECKPOINTS[-1]
     return engine.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
 
@@ -299,6 +304,36 @@ def bench_padding(trajs, cfg: train.Config) -> dict:
             "small_budget_batches": len(small)}
 
 
+def bench_processes(model, tok, source: str, device: torch.device, procs: list[int], steps: int) -> dict:
+    """Figure 7: seconds per RL step (default config) of ``torchrun --nproc_per_node N train.py``, per N.
+
+    Each N is a fresh run of ``steps`` RL steps from the same model; the step time is the median over
+    steps after the first (warm-up) of sec_rollout + sec_reward + sec_update (each the slowest rank's).
+    """
+    import subprocess
+    import sys
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = source if os.path.isdir(source) else os.path.join(tmp, "model")
+        if path != source:                      # a random model: save it so that every rank loads it
+            model.save_pretrained(path)
+            tok.save_pretrained(path)
+        for n in procs:
+            run = os.path.join(tmp, f"run{n}")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+                   "train.py", "--run-dir", run, "--model", path, "--device", device.type, "--rl-steps", str(steps),
+                   "--eval-every", "0", "--save-every", "1000000"]
+            t0 = time.time()
+            subprocess.run(cmd, cwd=here, check=True, capture_output=True)
+            rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+            secs = [r["sec_rollout"] + r["sec_reward"] + r["sec_update"] for r in rows[1:] or rows]
+            res[n] = {"sec_step": statistics.median(secs), "wall_s": time.time() - t0,
+                      "skipped": sum("skipped" in r for r in rows)}
+    return res
+
+
 # --------------------------------------------------------------------------- main
 
 def main(argv=None) -> None:
@@ -311,6 +346,8 @@ def main(argv=None) -> None:
                    help="tiny: the checkpoint; qwen2.5-0.5b: a random model of that shape (bf16 on CUDA)")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats per figure (default 5, quick 3)")
     p.add_argument("--train-steps", type=int, default=0, help="RL steps timed in figure 5 (default 2, quick 1)")
+    p.add_argument("--procs", default="1,2", help="figure 7: torchrun process counts to time, e.g. 1,2,4,8 (GPUs: one each)")
+    p.add_argument("--proc-steps", type=int, default=0, help="RL steps per run in figure 7 (default 4, quick 3)")
     args = p.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 5)
     device = torch.device(args.device)
@@ -327,6 +364,8 @@ def main(argv=None) -> None:
         pad = bench_padding(trajs, cfg)
         st = bench_train_step(model, tok, device, args.train_steps or (1 if args.quick else 2))   # before 4: peak RSS
         cx = bench_context(model, tok, device, repeats, args.quick)
+    procs = [int(x) for x in args.procs.split(",")]
+    pr = bench_processes(model, tok, source, device, procs, args.proc_steps or (3 if args.quick else 4))
 
     s, g = ro["sampled"], ro["greedy"]
     print(f"# python bench.py{' --quick' if args.quick else ''}  device={device}  model={source}  "
@@ -363,6 +402,9 @@ def main(argv=None) -> None:
           f"micro-batches {pad['before']:.3f} | train.micro_batches (sorted, budget {cfg.micro_tokens}) "
           f"{pad['after']:.3f} | same at budget {cfg.micro_tokens // 4} ({pad['small_budget_batches']} micro-batches) "
           f"{pad['small_budget']:.3f}")
+    print(f"7 step time, torchrun --nproc_per_node N train.py (default config, B=8 questions split over N): "
+          + "  ".join(f"N={n} {x['sec_step']:.2f} s ({pr[procs[0]]['sec_step'] / x['sec_step']:.2f}x)" for n, x in pr.items())
+          + ("  [CPU: a smoke test, the ranks share the cores]" if device.type == "cpu" else ""))
     print(f"# total {time.time() - t_start:.0f} s")
     r3 = lambda x: round(x, 3)
     print(json.dumps({
@@ -377,6 +419,7 @@ def main(argv=None) -> None:
         "rollout_traj_s": {"ours": r3(s["ours_traj_s"]), "naive": r3(s["naive_traj_s"])},
         "rollout_greedy_speedup": r3(g["speedup"]), "rollout_greedy_identical": g["identical"],
         "train_step": {k: r3(v) for k, v in st.items()}, "device": str(device), "model": source,
+        "step_sec_by_procs": {str(n): r3(x["sec_step"]) for n, x in pr.items()},
         "quick": args.quick, "repeats": repeats, "date": time.strftime("%Y-%m-%d"),
         "seconds": round(time.time() - t_start)}))
 

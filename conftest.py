@@ -4,8 +4,7 @@ import pytest
 
 import train
 
-SFT_ARGS = ["--sft-copy-steps", "200", "--sft-steps", "400", "--sft-batch", "32", "--rl-steps", "0",
-            "--forget-p", "0.5", "--sft-objectives", "1-2", "--hops", "1-2", "--eval-every", "0"]
+SFT_ARGS = train.SMALL_SFT_ARGS
 
 
 @pytest.fixture(scope="session")

@@ -129,15 +129,22 @@ def memory_advantage(mem_rewards: list[list[float]], group_ids: list[int],
     return out
 
 
-def memory_pool_std(mem_rewards: list[list[float]], group_ids: list[int],
-                    rounds: list[list[int]] | None = None, norm: str = "std") -> float:
-    """Mean over the pools of ``memory_advantage(norm=norm)`` that hold >= 2 rewards of their unbiased std; 0 if none."""
+def memory_pool_stds(mem_rewards: list[list[float]], group_ids: list[int],
+                     rounds: list[list[int]] | None = None, norm: str = "std") -> list[float]:
+    """The unbiased std of each pool of ``memory_advantage(norm=norm)`` that holds >= 2 rewards."""
     stds = []
     for members in _memory_pools(mem_rewards, group_ids, rounds, norm):
         vals = [mem_rewards[i][k] for i, k in members]
         if len(vals) > 1:
             mean = sum(vals) / len(vals)
             stds.append((sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5)
+    return stds
+
+
+def memory_pool_std(mem_rewards: list[list[float]], group_ids: list[int],
+                    rounds: list[list[int]] | None = None, norm: str = "std") -> float:
+    """Mean over the pools of ``memory_advantage(norm=norm)`` that hold >= 2 rewards of their std; 0 if none."""
+    stds = memory_pool_stds(mem_rewards, group_ids, rounds, norm)
     return sum(stds) / len(stds) if stds else 0.0
 
 

@@ -342,3 +342,23 @@ def test_mem_grounded_gate():
     assert mem_grounded("1 = bobi friend tugu", sources)
     assert not mem_grounded("1 = bobi friend tugu ; 2 = zzzz", sources)     # an invented word
     assert mem_grounded("", sources)
+
+
+def test_answer_logprobs_buckets_two_length_profiles_with_the_same_numbers(tok):
+    model = data.build_tiny_model(tok, seed=4)
+    rng = random.Random(1)
+    vocab = list(range(2, len(tok)))
+    lens = [rng.randint(5, 8) for _ in range(4)] + [rng.randint(60, 70) for _ in range(4)]   # short mem, long full
+    contexts = [[rng.choice(vocab) for _ in range(n)] for n in lens]
+    answers = [[rng.choice(vocab) for _ in range(3)] for _ in lens]
+    calls = []
+    hook = model.register_forward_hook(lambda *_: calls.append(1))
+    got = answer_logprobs(model, contexts, answers, tok.pad_token_id, token_budget=65536, pad_limit=100)
+    assert len(calls) == 2          # one bucket per length profile; without the limit: one batch padded to 73
+    calls.clear()
+    one = answer_logprobs(model, contexts, answers, tok.pad_token_id, token_budget=65536, pad_limit=10**9)
+    assert len(calls) == 1
+    hook.remove()
+    with torch.no_grad():
+        for c, a, g, o in zip(contexts, answers, got, one):
+            assert torch.allclose(g, _naive_logprobs(model, c, a), atol=1e-5) and torch.allclose(g, o, atol=1e-5)

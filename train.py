@@ -2,6 +2,8 @@
 
     python train.py                        # embedded default: tiny world, tokenizer and model, CPU ok
     python train.py --model PATH --data qa.jsonl --corpus wiki.jsonl   # a real run (GPU)
+    torchrun --standalone --nproc_per_node 8 train.py --run-dir runs/x ...  # one node, 8 GPUs (section
+                                           # "distributed (torchrun)": questions split over ranks, DDP / FSDP2)
 
 One RL step (the seed's timeline, A4 -> B -> A1 -> A2/A3 -> update):
 
@@ -45,6 +47,7 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -57,7 +60,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import data
-from grpo import (grouped_advantage, memory_advantage, memory_pool_std, policy_loss, token_advantages,
+from grpo import (grouped_advantage, memory_advantage, memory_pool_stds, policy_loss, token_advantages,
                   token_logprobs)
 from memory import Record, extract_mem, prepare_prompt, tool_record
 from reward import memory_rewards, outcome_reward
@@ -123,6 +126,10 @@ class Config:
     eval_every: int = 20
     eval_tasks: int = 32
     resume: bool = False
+    # distributed (torchrun): see the "distributed (torchrun)" section
+    fsdp: bool = False             # shard parameters, gradients and optimizer state with FSDP2 (default: DDP)
+    seed_per_question: bool = False  # sample each question's rollouts from its own seed: any world size, same rollouts
+    dist_timeout: int = 1800       # seconds a collective may wait for the slowest rank (its rollout) before failing
 
 
 def parse_args(argv=None) -> Config:
@@ -164,10 +171,16 @@ def parse_args(argv=None) -> Config:
         "sft_save_every": "checkpoint every N SFT steps",
         "eval_every": "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", "eval_tasks": "tasks per K in the periodic eval",
         "resume": "continue from RUN/ckpt",
+        "fsdp": "torchrun only: shard the model with FSDP2 (each decoder layer, then the root) instead of DDP",
+        "seed_per_question": "roll out one question at a time, seeded by (seed, step, question): the same rollouts "
+                             "with any number of ranks (costs the batching across questions)",
+        "dist_timeout": "torchrun only: seconds a collective waits for the other ranks before the run fails",
     }
     for name, default in asdict(Config()).items():
         flag = "--" + name.replace("_", "-")
-        if isinstance(default, bool):
+        if name == "run":      # torchrun reads any "--run..." as its own --run-path: --run-dir gets through
+            p.add_argument("--run-dir", "--run", dest="run", default=default, help=helps[name] + " (alias --run)")
+        elif isinstance(default, bool):
             p.add_argument(flag, action="store_true", help=helps[name])
         else:
             p.add_argument(flag, type=type(default), default=default, help=helps[name])
@@ -175,6 +188,12 @@ def parse_args(argv=None) -> Config:
     if cfg.faithful:
         cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.mem_gate, cfg.threshold = "separate", "std", 1.0, False, 0.5
     return cfg
+
+
+# A small SFT recipe (about 40 s on 2 CPU cores) whose policy already writes valid multi-round
+# trajectories: the test suite's fixture (conftest.py) and bench.py's model when it has no checkpoint.
+SMALL_SFT_ARGS = ["--sft-copy-steps", "200", "--sft-steps", "400", "--sft-batch", "32", "--rl-steps", "0",
+                  "--forget-p", "0.5", "--sft-objectives", "1-2", "--hops", "1-2", "--eval-every", "0"]
 
 
 def int_range(s: str) -> list[int]:
@@ -295,20 +314,16 @@ def padding_waste(batches: list[list[Sample]]) -> float:
 
 # --------------------------------------------------------------------------- checkpoints
 
-def save_model(path: str, model, tokenizer, system_prompt: str) -> None:
-    """``save_pretrained`` of model and tokenizer, plus the system prompt the model was trained with."""
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    with open(os.path.join(path, "system_prompt.txt"), "w", encoding="utf-8") as f:
-        f.write(system_prompt)
-
-
 def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_prompt: str) -> None:
-    """Atomic checkpoint: write to ``path.tmp`` then rename over ``path``."""
+    """Atomic checkpoint: write to ``path.tmp`` then rename over ``path``. Torchrun: every rank calls it
+    (FSDP2 gathers the full state), rank 0 writes."""
+    model_sd, optimizer_sd = full_state(model, optimizer)
+    if DIST.rank != 0:
+        return
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(tmp, model, tokenizer, system_prompt)
-    torch.save({"optimizer": optimizer.state_dict() if optimizer else None, "state": state,
+    save_model(tmp, model, tokenizer, system_prompt, model_sd)
+    torch.save({"optimizer": optimizer_sd, "state": state,
                 "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer.pt"))
     old = path + ".old"
     shutil.rmtree(old, ignore_errors=True)
@@ -319,6 +334,8 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_
 
 
 def log_jsonl(path: str, row: dict) -> None:
+    if DIST.rank != 0:       # torchrun: rank 0 writes the (already reduced) metrics
+        return
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -402,7 +419,8 @@ def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: 
     device = model.device
     sched = lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
     model.train()
-    for step in tqdm(range(start, cfg.sft_steps), desc="sft", initial=start, total=cfg.sft_steps):
+    train_model = update_module(model)
+    for step in tqdm(range(start, cfg.sft_steps), desc="sft", initial=start, total=cfg.sft_steps, disable=DIST.rank > 0):
         for g in optimizer.param_groups:
             g["lr"] = cfg.sft_lr * sched(step)
         t0 = time.time()
@@ -412,15 +430,19 @@ def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: 
             samples = copy_batch(tokenizer, cfg, step)
         else:
             samples = sft_batch(tokenizer, cfg, step)
-        n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
+        n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))     # every rank builds the whole batch
+        samples = samples[DIST.rank::DIST.world]                              # torchrun: this rank's rows
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
-        for mb in micro_batches(samples, cfg.micro_tokens):          # sorted by length: little padding
-            with autocast(cfg, device):
-                part = sft_loss(model, collate(mb, tokenizer.pad_token_id, device), n_tokens)
-            part.backward()
+        batches = even_micro_batches(micro_batches(samples, cfg.micro_tokens), tokenizer.pad_token_id)
+        for bi, mb in enumerate(batches):          # sorted by length: little padding
+            with grad_sync(model, bi == len(batches) - 1):
+                with autocast(cfg, device):
+                    part = sft_loss(train_model, collate(mb, tokenizer.pad_token_id, device), n_tokens)
+                (part * DIST.world).backward()     # DDP / FSDP2 average over ranks
             loss += part.item()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        loss = all_sum([loss])[0]
+        gn = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
         optimizer.step()
         if step % 50 == 0 or step == cfg.sft_steps - 1:
             row = {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn.item(),
@@ -428,8 +450,10 @@ def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: 
             if cfg.eval_every and not cfg.model and (step % 500 == 0 or step == cfg.sft_steps - 1):  # under 1 s once good
                 from eval import evaluate_embedded
                 model.eval()
-                row["val_f1_k2"] = evaluate_embedded(model, tokenizer, [2], cfg.eval_tasks, seed=cfg.seed,
-                                                     system_prompt=system_prompt)[2]["f1"]
+                with full_weights(model):
+                    if DIST.rank == 0:
+                        row["val_f1_k2"] = evaluate_embedded(model, tokenizer, [2], cfg.eval_tasks, seed=cfg.seed,
+                                                             system_prompt=system_prompt)[2]["f1"]
                 model.train()
             log_jsonl(metrics_path, row)
         if (step + 1) % cfg.sft_save_every == 0 and step + 1 < cfg.sft_steps:
@@ -470,46 +494,59 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
     """One RL step: rollout -> rewards -> advantages -> PPO update. Returns the step's metrics."""
     m: dict = {"stage": "rl", "step": step}
     tasks, tool = rl_tasks(cfg, step, real_tasks, real_tool)
-    gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step)
-    t0 = time.time()
-    model.eval()
-    with autocast(cfg, model.device):
-        trajs = rollout(model, tokenizer, tasks, cfg.group, tool, agent, gen)
-    m["sec_rollout"] = time.time() - t0
+    share = my_questions(len(tasks))                   # torchrun: this rank's questions; plain: all of them
+    tasks = tasks[share.start:share.stop]
+    mem, mem_adv = None, None
+    # collective-free phase (FSDP2: on unsharded weights); an error on one rank stops every rank
+    with full_weights(model), all_ranks_or_none(f"rl step {step}"):
+        t0 = time.time()
+        model.eval()
+        with autocast(cfg, model.device):
+            trajs = rollout_share(model, tokenizer, tasks, share.start, cfg, step, tool, agent)
+        m["sec_rollout"] = time.time() - t0
 
-    t0 = time.time()
-    outs = [outcome_reward(t) for t in trajs]
+        t0 = time.time()
+        outs = [outcome_reward(t) for t in trajs]
+        scores = torch.tensor([o["score"] for o in outs])
+        gids = torch.tensor([t.group_id for t in trajs])
+        adv_t = grouped_advantage(scores, gids)
+        if cfg.algo == "mempo":
+            with autocast(cfg, model.device):
+                mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
+                                     gate=cfg.mem_gate)
+            mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
+        m["sec_reward"] = time.time() - t0
+
+    # metrics over every rank's trajectories (gather: identity without torchrun)
+    outs = gather(outs)
     scores = torch.tensor([o["score"] for o in outs])
-    gids = torch.tensor([t.group_id for t in trajs])
+    turns = gather([len(t.rounds) for t in trajs])
     m.update(score=scores.mean().item(), score_std=scores.std().item() if len(scores) > 1 else 0.0,
              em=sum(o["em"] for o in outs) / len(outs), f1=sum(o["f1"] for o in outs) / len(outs),
              valid=sum(o["valid"] for o in outs) / len(outs),
-             turns=sum(len(t.rounds) for t in trajs) / len(trajs),
-             tokens=sum(r.n_tokens for t in trajs for r in t.rounds))
-    adv_t = grouped_advantage(scores, gids)
-    mem, mem_adv = None, None
-    if cfg.algo == "mempo":
-        with autocast(cfg, model.device):
-            mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
-                                 gate=cfg.mem_gate)
-        mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
-        flat = [x for r in mem["rewards"] for x in r]
+             turns=sum(turns) / len(turns),
+             tokens=sum(gather([sum(r.n_tokens for t in trajs for r in t.rounds)])))
+    if mem is not None:
+        flat = gather([x for r in mem["rewards"] for x in r])
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
-        m.update(mem_reward=mean(flat), p_mem=mean(mem["p_mem"]), p_full=mean(mem["p_full"]),
-                 mask_mem=mean(mem["mask_mem"]), mask_full=mean(mem["mask_full"]), empty_frac=mem["empty_frac"],
-                 mem_rounds=len(flat), ungrounded=mem["ungrounded"],
-                 # mean over the advantage's pools (per question; per round / nonzero as --mem-adv-norm) of the pool std
-                 pool_std=memory_pool_std(mem["rewards"], gids.tolist(), mem["rounds"], cfg.mem_adv_norm))
-    m["sec_reward"] = time.time() - t0
+        n_empty = sum(gather([mem["empty_frac"] * mem["n"]]))
+        m.update(mem_reward=mean(flat), p_mem=mean(gather(mem["p_mem"])), p_full=mean(gather(mem["p_full"])),
+                 mask_mem=mean(gather(mem["mask_mem"])), mask_full=mean(gather(mem["mask_full"])),
+                 empty_frac=n_empty / len(flat) if flat else 0.0,
+                 mem_rounds=len(flat), ungrounded=sum(gather([mem["ungrounded"]])),
+                 # mean over the advantage's pools (per question; per round / nonzero as --mem-adv-norm) of the
+                 # pool std; a group never spans ranks, so each rank's pools are whole: gather the per-pool stds
+                 pool_std=mean(gather(memory_pool_stds(mem["rewards"], gids.tolist(), mem["rounds"], cfg.mem_adv_norm))))
 
     t0 = time.time()
     samples = build_samples(trajs, adv_t, mem, mem_adv)
-    if not samples or all(s.adv_t == 0 and s.adv_m == 0 for s in samples):
+    if not all_sum([float(any(s.adv_t != 0 or s.adv_m != 0 for s in samples))])[0]:   # on every rank
         m["skipped"] = "all advantages are zero"
-        m["sec_update"] = time.time() - t0
-        return m
-    m.update(ppo_update(model, ref_model, optimizer, samples, cfg, tokenizer.pad_token_id))
+    else:
+        m.update(ppo_update(model, ref_model, optimizer, samples, cfg, tokenizer.pad_token_id))
     m["sec_update"] = time.time() - t0
+    secs = ("sec_rollout", "sec_reward", "sec_update")
+    m.update(zip(secs, all_max([m[k] for k in secs])))       # the slowest rank sets the step's time
     return m
 
 
@@ -517,16 +554,13 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
     """Clipped PPO on round samples: micro-batches sorted by length, whole-batch token count as denominator."""
     m: dict = {}
     batches = micro_batches(samples, cfg.micro_tokens)
-    m["padding_waste"] = padding_waste(batches)
-    # the loss denominators, for the WHOLE batch (micro-batches split trajectories): policy tokens,
-    # and per sequence (= trajectory; a row without one is its own) its policy tokens and their count
-    seq_of = lambda s: ("traj", s.traj) if s.traj is not None else ("row", id(s))   # noqa: E731
-    seq_tokens: dict = {}
-    for s in samples:
-        seq_tokens[seq_of(s)] = seq_tokens.get(seq_of(s), 0) + len(s.ids) - s.n_prompt
-    n_tokens = float(sum(seq_tokens.values()))
-    n_seqs = float(sum(1 for n in seq_tokens.values() if n > 0))
+    real, padded = all_sum([sum(len(s.ids) for s in samples), sum(len(b) * len(b[-1].ids) for b in batches)])
+    m["padding_waste"] = 1 - real / max(padded, 1)      # = padding_waste(batches), over every rank's batches
+    batches = even_micro_batches(batches, pad_id)       # torchrun: the same count on every rank
+    n = denominators(samples)                           # the GLOBAL batch's counts (all ranks)
+    n_tokens, n_seqs, seq_tokens = n["n_tokens"], n["n_seqs"], n["seq_tokens"]
     device = model.device
+    train_model = update_module(model)
     old = {}
     if cfg.ppo_epochs > 1 or ref_model is not None:
         with torch.no_grad(), autocast(cfg, device):
@@ -544,26 +578,28 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
         for bi, b in enumerate(batches):
             x = collate(b, pad_id, device)
             adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"], cfg.mem_weight)
-            with autocast(cfg, device):
-                logp = token_logprobs(model, x["ids"], x["attn"], cfg.temperature)
-            old_logp = old.get(("old", bi), logp.detach())
-            loss, lm = policy_loss(logp, old_logp, adv, x["loss_mask"], cfg.clip_low, cfg.clip_high,
-                                   cfg.dual_clip or None, cfg.agg, old.get(("ref", bi)), cfg.kl_coef,
-                                   n_tokens=n_tokens, n_seqs=n_seqs,
-                                   seq_tokens=torch.tensor([float(seq_tokens[seq_of(s)]) for s in b], device=device))
-            loss.backward()
+            with grad_sync(model, bi == len(batches) - 1):
+                with autocast(cfg, device):
+                    logp = token_logprobs(train_model, x["ids"], x["attn"], cfg.temperature)
+                old_logp = old.get(("old", bi), logp.detach())
+                loss, lm = policy_loss(logp, old_logp, adv, x["loss_mask"], cfg.clip_low, cfg.clip_high,
+                                       cfg.dual_clip or None, cfg.agg, old.get(("ref", bi)), cfg.kl_coef,
+                                       n_tokens=n_tokens, n_seqs=n_seqs,
+                                       seq_tokens=torch.tensor([seq_tokens.get(seq_key(s), 0.0) for s in b], device=device))
+                (loss * DIST.world).backward()      # DDP / FSDP2 average over ranks; the global loss is the sum
             total += loss.item()
             w = x["loss_mask"].sum().item() / n_tokens
             for k in stats:
                 stats[k] += lm[k] * w / cfg.ppo_epochs
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        total = all_sum([total])[0]
+        gn = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
         if not (math.isfinite(total) and torch.isfinite(gn)):
             optimizer.zero_grad(set_to_none=True)
             m["skipped"] = f"non-finite loss {total} or grad norm {gn.item()}"
             break
         optimizer.step()
         m.update(loss=total, grad_norm=gn.item())
-    return m | stats
+    return m | dict(zip(stats, all_sum(list(stats.values()))))
 
 
 def agent_config(cfg: Config, system_prompt: str = data.SYSTEM_PROMPT) -> AgentConfig:
@@ -597,20 +633,313 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
            real_tasks=None, real_tool=None, system_prompt: str = data.SYSTEM_PROMPT) -> None:
     from tqdm import tqdm
     from eval import evaluate_embedded
-    ref_model = reference_model(model, cfg, start) if cfg.kl_coef > 0 else None
+    ref_model = None
+    if cfg.kl_coef > 0:
+        if DIST.fsdp:
+            raise SystemExit("--kl-coef > 0 with --fsdp is not supported (the reference model would need its own sharding)")
+        ref_model = reference_model(model, cfg, start)
     agent = agent_config(cfg, system_prompt)
-    bar = tqdm(range(start, cfg.rl_steps), desc=f"rl/{cfg.algo}", initial=start, total=cfg.rl_steps)
+    bar = tqdm(range(start, cfg.rl_steps), desc=f"rl/{cfg.algo}", initial=start, total=cfg.rl_steps, disable=DIST.rank > 0)
     for step in bar:
         m = rl_step(model, ref_model, tokenizer, optimizer, cfg, step, agent, real_tasks, real_tool)
         if cfg.eval_every and real_tasks is None and (step + 1) % cfg.eval_every == 0:
-            res = evaluate_embedded(model, tokenizer, [4], cfg.eval_tasks, seed=cfg.seed, split="valid",
-                                    system_prompt=system_prompt)
-            m["val_f1_k4"] = res[4]["f1"]
+            with full_weights(model):
+                if DIST.rank == 0:
+                    res = evaluate_embedded(model, tokenizer, [4], cfg.eval_tasks, seed=cfg.seed, split="valid",
+                                            system_prompt=system_prompt)
+                    m["val_f1_k4"] = res[4]["f1"]
         log_jsonl(metrics_path, m)
         bar.set_postfix(score=f"{m['score']:.3f}", f1=f"{m['f1']:.3f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.rl_steps:
             save_checkpoint(ckpt, model, tokenizer, optimizer,
                             {"stage": "rl", "step": step + 1, "precision": cfg.precision}, system_prompt)
+
+
+# --------------------------------------------------------------------------- distributed (torchrun)
+#
+#   torchrun --standalone --nproc_per_node 8 train.py --run-dir runs/x ...       (one node, 8 GPUs)
+#
+# ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK; ``setup_distributed`` then opens a process group
+# (nccl on CUDA, gloo on CPU) and binds GPU LOCAL_RANK. Without them (plain ``python train.py``) the
+# functions below are identities: no process group, no wrapper, no communication.
+#
+# * Rollouts are split by question: rank r takes questions [r*B/W, (r+1)*B/W) of the step (the same
+#   ``rl_tasks`` list on every rank) and all G rollouts of each, so a group never spans ranks and the
+#   outcome advantage, the memory reward and its pool need no communication.
+# * Seeding (a choice): by default rank r samples its share with one generator seeded from
+#   (seed, step, r), one batched rollout per rank; rank 0 of 1 uses exactly the single-process seed.
+#   A W-rank run therefore draws different (equally distributed) rollouts from a 1-rank run.
+#   ``--seed-per-question`` rolls out one question at a time with a generator seeded from
+#   (seed, step, question index): the rollouts are the same whichever rank (and how many ranks) run
+#   them, at the cost of batching across questions (bench / README give the cost).
+# * The update is the single-process update: every loss denominator is the GLOBAL batch's
+#   (``denominators``: one all_reduce), each rank back-propagates loss * W (DDP and FSDP2 average
+#   gradients over ranks; the sum over ranks of the per-rank losses is the global loss), gradients
+#   are synchronised once per optimizer step (no_sync / ``set_requires_gradient_sync`` on all other
+#   micro-batches), and every rank runs the same number of micro-batches (short ranks add an empty
+#   one: loss 0) because FSDP2 all-gathers in every forward. Grad-norm clipping sees the global
+#   gradient (DDP: identical on every rank; FSDP2: ``clip_grad_norm_`` reduces the DTensor norm).
+# * Default DDP (weights replicated); ``--fsdp``: FSDP2 ``fully_shard`` on each decoder layer, then the
+#   root. Generation and the memory-reward pass under FSDP2 run inside ``full_weights``: every layer is
+#   unsharded once (one all-gather per layer) and kept unsharded until the rollout is scored, so the
+#   ranks' different numbers of decode steps need no communication; memory during the rollout is then
+#   the full model (bf16 weights of one replica) on every GPU, as with DDP, plus the sharded gradients
+#   and optimizer state; it is freed (resharded) before the update.
+# * Errors: the collective-free phase of a step (rollout, rewards) runs under ``all_ranks_or_none``:
+#   a status flag is all-reduced after it, and if one rank raised, every rank stops with an error
+#   naming it (the failing rank raises its own exception). A step skipped for zero advantages or a
+#   non-finite loss / gradient is decided on global numbers, so every rank skips it. A collective that
+#   waits longer than ``--dist-timeout`` seconds fails instead of hanging, and torchrun ends the other
+#   workers when one exits with an error.
+# * Metrics are computed from every rank's per-trajectory values (gathered) with the single-process
+#   formulas; seconds are the slowest rank's; rank 0 writes metrics.jsonl, config.json and every
+#   checkpoint. A checkpoint is a full ``save_pretrained`` model (FSDP2 gathers it to rank 0) and a
+#   full optimizer state in the single-process format, so a run resumes with any world size, and
+#   every rank reads it (multi-node: the run folder must be on a shared filesystem).
+# * Evaluation (periodic evals here, and eval.py) runs on rank 0 only.
+
+@dataclass
+class Dist:
+    """This process's place in the run; the defaults are plain ``python train.py``."""
+    active: bool = False          # a process group is open (torchrun, any world size)
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    fsdp: bool = False
+    comm_device: str = "cpu"      # where the small tensors of all_reduce live (cuda for nccl)
+    ddp: object = None            # the DDP wrapper used for the update (the raw model does everything else)
+
+
+DIST = Dist()
+
+
+def setup_distributed(cfg: Config) -> torch.device:
+    """Under torchrun: open the process group, bind a GPU, check B % W; always returns this rank's device."""
+    global DIST
+    if "WORLD_SIZE" not in os.environ:
+        if cfg.fsdp:
+            raise SystemExit("--fsdp needs torchrun (e.g. torchrun --standalone --nproc_per_node 2 train.py ...)")
+        return pick_device(cfg.device)
+    import datetime
+    import torch.distributed as dist
+    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = pick_device(cfg.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if cfg.questions % world:
+        raise SystemExit(f"--questions {cfg.questions} is not divisible by the {world} ranks: each rank takes "
+                         f"questions / ranks questions of a step")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+    DIST = Dist(True, rank, world, local_rank, cfg.fsdp, str(device) if device.type == "cuda" else "cpu")
+    return device
+
+
+def is_dist() -> bool:
+    return DIST.active
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """Sum of each value over ranks (float64, one all_reduce)."""
+    if not is_dist():
+        return list(values)
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64, device=DIST.comm_device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(values: list[float]) -> list[float]:
+    """Max of each value over ranks."""
+    if not is_dist():
+        return list(values)
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64, device=DIST.comm_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def gather(xs: list) -> list:
+    """Concatenation of every rank's list, in rank order (= question order); plain: ``xs`` itself."""
+    if not is_dist():
+        return xs
+    import torch.distributed as dist
+    parts = [None] * DIST.world
+    dist.all_gather_object(parts, xs)
+    return [x for p in parts for x in p]
+
+
+def my_questions(n: int) -> range:
+    """Indices of this rank's share of a step's ``n`` questions."""
+    if n % DIST.world:
+        raise ValueError(f"{n} questions cannot be split evenly over {DIST.world} ranks")
+    k = n // DIST.world
+    return range(DIST.rank * k, (DIST.rank + 1) * k)
+
+
+def seq_key(s: Sample) -> tuple:
+    """The sequence a row belongs to for ``seq-mean-*``: its trajectory (a row without one is its own)."""
+    return ("traj", s.traj) if s.traj is not None else ("row", id(s))
+
+
+def denominators(samples: list[Sample]) -> dict:
+    """Every loss denominator of ``ppo_update`` for the WHOLE batch (micro-batches split trajectories) and, under
+    torchrun, the GLOBAL one: policy tokens and sequences summed over ranks in one all_reduce; per sequence
+    (= trajectory) its policy tokens, local, since a trajectory's rows never leave its rank."""
+    seq_tokens: dict = {}
+    for s in samples:
+        seq_tokens[seq_key(s)] = seq_tokens.get(seq_key(s), 0.0) + len(s.ids) - s.n_prompt
+    local = [float(sum(seq_tokens.values())), float(sum(1 for n in seq_tokens.values() if n > 0))]
+    n_tokens, n_seqs = all_sum(local)
+    return {"n_tokens": n_tokens, "n_seqs": n_seqs, "seq_tokens": seq_tokens}
+
+
+def even_micro_batches(batches: list[list[Sample]], pad_id: int) -> list[list[Sample]]:
+    """Append empty micro-batches (one row of padding, loss mask 0) until every rank has as many."""
+    n = int(all_max([len(batches)])[0])
+    return batches + [[Sample([pad_id, pad_id], 2)] for _ in range(n - len(batches))]
+
+
+def update_module(model):
+    """The module to run forward + backward of the update through: the DDP wrapper, else the model."""
+    return DIST.ddp if DIST.ddp is not None else model
+
+
+@contextlib.contextmanager
+def grad_sync(model, sync: bool):
+    """Synchronise gradients in this backward only when ``sync`` (the optimizer step's last micro-batch)."""
+    if DIST.ddp is not None and not sync:
+        with DIST.ddp.no_sync():
+            yield
+        return
+    if DIST.fsdp:
+        model.set_requires_gradient_sync(sync)
+    yield
+
+
+def wrap_for_training(model, device: torch.device):
+    """DDP (default) or FSDP2 (``--fsdp``) under torchrun; returns the model (FSDP2 wraps it in place)."""
+    if not is_dist():
+        return model
+    import torch.distributed as dist
+    if DIST.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for t in model.state_dict().values():      # identical weights on every rank before sharding
+            dist.broadcast(t, 0)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+    # forward_sync_buffers=False: rotary buffers are constants, and a broadcast per forward would be a
+    # collective in every forward (DDP broadcasts the parameters from rank 0 once, here)
+    DIST.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       forward_sync_buffers=False)
+    return model
+
+
+@contextlib.contextmanager
+def full_weights(model):
+    """FSDP2: unshard every layer for generation / scoring (ranks may then run different numbers of
+    forwards with no communication), reshard after. Other modes: nothing to do."""
+    if not DIST.fsdp:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.unshard()
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+        model.set_reshard_after_forward(True)
+
+
+@contextlib.contextmanager
+def all_ranks_or_none(what: str):
+    """Run a collective-free block on every rank; if it raised on any rank, raise on every rank."""
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        if is_dist():
+            n_failed = all_sum([float(failed)])[0]
+            if n_failed and not failed:
+                raise RuntimeError(f"{what}: {int(n_failed)} other rank(s) failed; stopping this rank too")
+
+
+def grad_norm_value(gn: torch.Tensor) -> torch.Tensor:
+    """``clip_grad_norm_``'s total norm as a plain tensor (FSDP2 returns a DTensor)."""
+    return gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+
+
+def full_state(model, optimizer) -> tuple[dict | None, dict | None]:
+    """(model state dict or None = the model's own, optimizer state dict in single-process format);
+    under FSDP2 both are gathered (every rank must call this) and only rank 0 gets them."""
+    if not DIST.fsdp:
+        return None, optimizer.state_dict() if optimizer else None
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(model, options=opts)
+    osd = None
+    if optimizer is not None:
+        full = get_optimizer_state_dict(model, optimizer, options=opts)
+        names = [n for g in full.get("param_groups", []) for n in g["params"]]
+        index = {n: i for i, n in enumerate(names)}      # parameter name -> position, as optimizer.state_dict()
+        osd = {"state": {index[n]: s for n, s in full.get("state", {}).items()},
+               "param_groups": [dict(g, params=[index[n] for n in g["params"]]) for g in full.get("param_groups", [])]}
+    return sd, osd
+
+
+def load_optimizer(model, optimizer, osd: dict) -> None:
+    """Load a single-process-format optimizer state (as ``save_checkpoint`` writes it) into any mode."""
+    if not DIST.fsdp:
+        optimizer.load_state_dict(osd)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    model.zero_grad(set_to_none=True)     # torch initialises an empty optimizer state only when no grads exist
+    names = [n for n, p in model.named_parameters()]      # the order the optimizer was built in
+    full = {"state": {names[i]: s for i, s in osd["state"].items()},
+            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in osd["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
+
+
+def save_model(path: str, model, tokenizer, system_prompt: str, state_dict: dict | None = None) -> None:
+    """``save_pretrained`` of the (full) model and the tokenizer, plus the system prompt the model was trained
+    with (``system_prompt.txt``, read back by ``rollout.checkpoint_prompt``); rank 0 only."""
+    model.save_pretrained(path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "system_prompt.txt"), "w", encoding="utf-8") as f:
+        f.write(system_prompt)
+    if DIST.fsdp:   # FSDP2 renames the class (FSDPLlamaForCausalLM); the config must name the HF class
+        cfg_path = os.path.join(path, "config.json")
+        conf = json.load(open(cfg_path))
+        conf["architectures"] = [a.removeprefix("FSDP") for a in conf.get("architectures", [])]
+        json.dump(conf, open(cfg_path, "w"), indent=2)
+
+
+def rollout_share(model, tokenizer, tasks: list, q0: int, cfg: Config, step: int, tool, agent: AgentConfig) -> list:
+    """This rank's rollouts of ``tasks`` (global question indices q0, q0+1, ...); group ids are global."""
+    if cfg.seed_per_question:
+        trajs = []
+        for q, task in enumerate(tasks, start=q0):
+            gen = torch.Generator(device=model.device).manual_seed((cfg.seed * 9_000_011 + step) * 1_000_003 + q)
+            part = rollout(model, tokenizer, [task], cfg.group, tool, agent, gen)
+            for t in part:
+                t.group_id = q
+            trajs += part
+        return trajs
+    gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step + DIST.rank * 10**12)
+    trajs = rollout(model, tokenizer, tasks, cfg.group, tool, agent, gen)
+    for t in trajs:
+        t.group_id += q0
+    return trajs
 
 
 # --------------------------------------------------------------------------- main
@@ -619,7 +948,7 @@ def main(argv=None) -> None:
     cfg = parse_args(argv)
     os.makedirs(cfg.run, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    device = pick_device(cfg.device)
+    device = setup_distributed(cfg)          # plain python: pick_device; torchrun: process group, GPU LOCAL_RANK
     metrics_path, ckpt = os.path.join(cfg.run, "metrics.jsonl"), os.path.join(cfg.run, "ckpt")
     if not cfg.resume and os.path.exists(metrics_path):     # never mix two runs' metrics or overwrite a checkpoint
         raise SystemExit(f"{cfg.run} already holds a run ({metrics_path}); pass --resume to continue it, "
@@ -656,24 +985,31 @@ def main(argv=None) -> None:
             prompt = f.read().strip()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    with open(os.path.join(cfg.run, "config.json"), "w") as f:
-        json.dump(asdict(cfg), f, indent=1)
+    model = wrap_for_training(model, device)       # torchrun: DDP or FSDP2; plain: unchanged
+    if DIST.rank == 0:
+        with open(os.path.join(cfg.run, "config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=1)
 
     if state["stage"] == "sft" and cfg.sft_steps > 0:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
         if trainer is not None and trainer["optimizer"] is not None:
-            opt.load_state_dict(trainer["optimizer"])
+            load_optimizer(model, opt, trainer["optimizer"])
             torch.set_rng_state(trainer["torch_rng"])
         run_sft(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, prompt, trajectories)
         state, trainer = {"stage": "rl", "step": 0}, None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     if trainer is not None and state["stage"] == "rl":
-        opt.load_state_dict(trainer["optimizer"])
+        load_optimizer(model, opt, trainer["optimizer"])
         torch.set_rng_state(trainer["torch_rng"])
     if cfg.rl_steps > 0:
         run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, real_tasks, real_tool, prompt)
-    save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt)
-    print(f"saved {cfg.run}/final")
+    model_sd, _ = full_state(model, None)
+    if DIST.rank == 0:
+        save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd)
+        print(f"saved {cfg.run}/final")
+    if is_dist():
+        import torch.distributed as dist
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
