@@ -78,9 +78,11 @@ QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, n
 def load(args, device: torch.device):
     """(model, tokenizer, what it is): a checkpoint, the bench's own SFT, or a random Qwen2.5-0.5B-shaped model."""
     if args.model_shape == "qwen2.5-0.5b":
+        # Qwen2.5-0.5B's body and its padded vocabulary (151936 rows), a Qwen2-style BPE tokenizer over the world's
+        # text; ids past the tokenizer's decode to nothing. fp32 master weights: train.autocast gives bf16 on CUDA.
         from transformers import Qwen2Config, Qwen2ForCausalLM
-        tok = data.build_tokenizer()
-        cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=32768, pad_token_id=tok.pad_token_id,
+        tok = data.build_bpe_tokenizer()
+        cfg = Qwen2Config(vocab_size=151936, max_position_embeddings=32768, pad_token_id=tok.pad_token_id,
                           eos_token_id=tok.eos_token_id, bos_token_id=None, **QWEN_05B)
         cfg._attn_implementation = "sdpa"
         if device.type == "cuda":
@@ -90,7 +92,8 @@ def load(args, device: torch.device):
             except ImportError:
                 pass
         torch.manual_seed(0)
-        return Qwen2ForCausalLM(cfg).to(device).eval(), tok, "random qwen2.5-0.5b shape (fp32 weights)"
+        return (Qwen2ForCausalLM(cfg).to(device).eval(), tok,
+                f"random qwen2.5-0.5b shape ({cfg._attn_implementation}, fp32 weights)")
     from transformers import AutoTokenizer
     path = args.checkpoint or next((p for p in DEFAULT_CHECKPOINTS if os.path.exists(p)), "")
     if not path:                       # train the test suite's SFT recipe once; later runs reuse it
@@ -286,6 +289,17 @@ def bench_train_step(model, tok, device, steps: int) -> dict:
     med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)
     out = {k: med(k) for k in ("sec_rollout", "sec_reward", "sec_update", "padding_waste")}
     out["skipped_updates"] = sum("skipped" in r for r in rows)       # e.g. every score tied: nothing to learn
+    if out["skipped_updates"]:     # a random model ties every score: time the update on random +-1 advantages
+        tasks, tool = train.rl_tasks(cfg, 0)
+        trajs = engine.rollout(model, tok, tasks, cfg.group, tool, agent, torch.Generator(device).manual_seed(0))
+        adv = torch.tensor([(-1.0) ** i for i in range(len(trajs))])
+        samples = train.build_samples(trajs, adv, None, None)
+        t0 = time.perf_counter()
+        train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
+        sync(device)
+        out["sec_update_forced"] = time.perf_counter() - t0
+        out["update_rows"] = len(samples)
+        out["update_tokens"] = sum(len(s.ids) for s in samples)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device.type == "cuda":
         out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -326,7 +340,12 @@ def bench_processes(model, tok, source: str, device: torch.device, procs: list[i
                    "train.py", "--run-dir", run, "--model", path, "--device", device.type, "--rl-steps", str(steps),
                    "--eval-every", "0", "--save-every", "1000000"]
             t0 = time.time()
-            subprocess.run(cmd, cwd=here, check=True, capture_output=True)
+            p = subprocess.run(cmd, cwd=here, capture_output=True, text=True)
+            if p.returncode != 0:                 # reported in the table, the other figures still print
+                res[n] = {"sec_step": float("nan"), "wall_s": time.time() - t0, "skipped": 0,
+                          "error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
+                print(f"figure 7, {n} processes failed:\n{p.stderr[-3000:]}")
+                continue
             rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
             secs = [r["sec_rollout"] + r["sec_reward"] + r["sec_update"] for r in rows[1:] or rows]
             res[n] = {"sec_step": statistics.median(secs), "wall_s": time.time() - t0,
@@ -397,7 +416,9 @@ def main(argv=None) -> None:
     print(f"5 train step (default config, median of {args.train_steps or (1 if args.quick else 2)}): rollout "
           f"{st['sec_rollout']:.2f} s  reward {st['sec_reward']:.2f} s  update {st['sec_update']:.2f} s  "
           f"peak RSS {st['peak_rss_mb']:.0f} MB  skipped updates {st['skipped_updates']}"
-          + (f"  peak CUDA {st['peak_cuda_mb']:.0f} MB" if "peak_cuda_mb" in st else ""))
+          + (f"  peak CUDA {st['peak_cuda_mb']:.0f} MB" if "peak_cuda_mb" in st else "")
+          + (f"\n  every update skipped (scores tied): one update on random +-1 advantages, {st['update_rows']} rows, "
+             f"{st['update_tokens']} tokens: {st['sec_update_forced']:.2f} s" if "sec_update_forced" in st else ""))
     print(f"6 padding waste, {pad['rows']} round samples of one step: unsorted in {pad['micro_batches']} "
           f"micro-batches {pad['before']:.3f} | train.micro_batches (sorted, budget {cfg.micro_tokens}) "
           f"{pad['after']:.3f} | same at budget {cfg.micro_tokens // 4} ({pad['small_budget_batches']} micro-batches) "

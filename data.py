@@ -316,10 +316,11 @@ def save_random_checkpoint(path: str, tokenizer=None, seed: int = 0, **shape) ->
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tokenizer = tokenizer or build_bpe_tokenizer()
     torch.manual_seed(seed)
-    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True) | shape
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **cfg))
+    cfg = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+               tie_word_embeddings=True) | shape
+    model = Qwen2ForCausalLM(Qwen2Config(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                         bos_token_id=None, **cfg))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -173,6 +173,11 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: in
     ids, attn = left_pad([list(p) for p in first], pad_id, device)                 # (U, L)
     L = ids.shape[1]
     cache = StaticCache(config=model.config, max_cache_len=L + T)   # written in place: no per-step concat
+    if torch.is_autocast_enabled(device.type):
+        # under bf16 autocast over fp32 weights, RoPE leaves keys in fp32 while values are bf16; the cache
+        # holds one dtype, so both are stored in the autocast dtype (attention runs in it anyway)
+        dtype, update = torch.get_autocast_dtype(device.type), cache.update
+        cache.update = lambda k, v, *args, **kw: update(k.to(dtype), v.to(dtype), *args, **kw)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]   # (U, V)

@@ -74,6 +74,15 @@ def test_greedy_engine_equals_model_generate_on_the_bpe_folder(real):
     assert ours == ref
 
 
+def test_engine_runs_under_bf16_autocast_over_fp32_weights(real):
+    """train.autocast's forward: fp32 master weights, bf16 compute; the KV cache must take both dtypes."""
+    model, tok = real
+    prompts = [ids(tok, "<mem> 1 = kalo friend"), ids(tok, "hello there")]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(model, prompts, 12, pad_id=tok.pad_token_id, temperature=0.0)
+    assert [len(o) for o in out] == [12, 12] and next(model.parameters()).dtype == torch.float32
+
+
 class Scripted(torch.nn.Module):
     """A real Qwen2 whose logits are pushed towards a script: the n-th new token of the row whose prompt has
     ``prompt_lens[r]`` tokens is ``scripts[r][n]``. Rows are told apart by position (prompt lengths differ by
@@ -231,13 +240,14 @@ def test_train_eval_resume_on_the_folder(folder, files, tmp_path):
 def test_sft_from_a_chat_format_trajectory_file_lowers_the_loss(folder, tmp_path):
     paths = data.export(str(tmp_path / "export"), ks=(1,), n=4, episodes=24)
     traj = [p for p in paths if p.endswith("sft_trajectories.jsonl")][0]
-    run = tmp_path / "sft"
-    p = cli("train.py", "--run", run, "--model", folder, "--sft-data", traj, "--sft-steps", 60, "--sft-batch", 16,
-            "--sft-lr", "1e-2", "--rl-steps", 0, "--eval-every", 0)
+    run, prompt = tmp_path / "sft", tmp_path / "prompt.txt"
+    prompt.write_text("answer all . keep findings in mem\n")          # --system-prompt: short rows, a fast test
+    p = cli("train.py", "--run", run, "--model", folder, "--sft-data", traj, "--sft-steps", 60, "--sft-batch", 8,
+            "--sft-lr", "1e-2", "--rl-steps", 0, "--eval-every", 0, "--system-prompt", prompt)
     assert p.returncode == 0, p.stderr[-2000:]
     losses = [json.loads(x)["loss"] for x in open(run / "metrics.jsonl")]
     assert losses[-1] < 0.7 * losses[0], losses
-    assert open(run / "final" / "system_prompt.txt").read() == PROTOCOL_PROMPT
+    assert open(run / "final" / "system_prompt.txt").read() == "answer all . keep findings in mem"
 
 
 def test_trajectory_rows_match_the_expert_rows(tmp_path):
@@ -297,8 +307,10 @@ def test_exported_files_score_the_same_as_the_in_memory_eval(sft_run, tmp_path):
     paths = data.export(str(tmp_path), ks=(2,), n=16, episodes=2)
     model, tok, prompt = ev.load(str(sft_run), torch.device("cpu"))
     assert prompt == data.SYSTEM_PROMPT                            # the checkpoint carries its prompt
-    mem = ev.evaluate_embedded(model, tok, [2], 16, split="test", max_turns=12, system_prompt=prompt)[2]
-    tasks = data.load_qa(paths[0])
-    tool = SearchTool(data.load_corpus(paths[1]))
-    via_files = ev.evaluate(model, tok, tasks, tool, ev.greedy_agent("snail", 12, system_prompt=prompt))
-    assert via_files == mem and via_files["f1"] > 0.2
+    agent = ev.greedy_agent("snail", 12, system_prompt=prompt)
+    tasks, tool = ev.embedded_tasks(2, 16, split="test")
+    in_memory = ev.run_episodes(model, tok, tasks, tool, agent)
+    files = ev.run_episodes(model, tok, data.load_qa(paths[0]), SearchTool(data.load_corpus(paths[1])), agent)
+    assert [[r.round_ids for r in t.rounds] for t in files] == [[r.round_ids for r in t.rounds] for t in in_memory]
+    assert ev.summarize(files) == ev.summarize(in_memory)
+    assert sum(len(t.rounds) for t in files) > 16                  # the policy searched: the tool's files were used

@@ -246,8 +246,8 @@ def test_resume_during_sft_gives_the_uninterrupted_weights(tmp_path, monkeypatch
     monkeypatch.setattr(train, "sft_batch", crash_at_8)
     with pytest.raises(KeyboardInterrupt):
         train.main(["--run", str(tmp_path / "killed")] + TINY)
-    assert torch.load(tmp_path / "killed" / "ckpt" / "trainer.pt", weights_only=False)["state"] == {"stage": "sft",
-                                                                                                  "step": 5}
+    state = torch.load(tmp_path / "killed" / "ckpt" / "trainer.pt", weights_only=False)["state"]
+    assert state == {"stage": "sft", "step": 5, "precision": "auto"}
     monkeypatch.setattr(train, "sft_batch", real)
     train.main(["--run", str(tmp_path / "killed"), "--resume"] + TINY)
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final").state_dict()

@@ -642,6 +642,8 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
     bar = tqdm(range(start, cfg.rl_steps), desc=f"rl/{cfg.algo}", initial=start, total=cfg.rl_steps, disable=DIST.rank > 0)
     for step in bar:
         m = rl_step(model, ref_model, tokenizer, optimizer, cfg, step, agent, real_tasks, real_tool)
+        if model.device.type == "cuda":
+            m["peak_cuda_mb"] = torch.cuda.max_memory_allocated(model.device) / 2**20
         if cfg.eval_every and real_tasks is None and (step + 1) % cfg.eval_every == 0:
             with full_weights(model):
                 if DIST.rank == 0:
@@ -832,10 +834,14 @@ def wrap_for_training(model, device: torch.device):
         fully_shard(model)
         return model
     from torch.nn.parallel import DistributedDataParallel
-    # forward_sync_buffers=False: rotary buffers are constants, and a broadcast per forward would be a
-    # collective in every forward (DDP broadcasts the parameters from rank 0 once, here)
+    # no buffer sync: rotary buffers are constants, and a broadcast per forward would be a collective in every
+    # forward (DDP broadcasts the parameters from rank 0 once, here). torch 2.13 names it forward_sync_buffers
+    # (broadcast_buffers is deprecated there); older torch has only broadcast_buffers.
+    import inspect
+    no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else "broadcast_buffers")
     DIST.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       forward_sync_buffers=False)
+                                       **{no_sync: False})
     return model
 
 
