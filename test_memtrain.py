@@ -1,0 +1,126 @@
+"""MemTrain: the proxy-task builder (world and real-format corpus), the IMR builder, the rewards, the
+memory agent, one training step that changes weights, and the eval metrics."""
+import json
+import random
+import re
+
+import pytest
+import torch
+
+import data
+
+NAMES = frozenset(data.name_pool())
+
+
+def fact_of(passage: str):
+    """``kalo friend mira`` / ``mira is friend of kalo`` -> ``("kalo", "friend", "mira")``."""
+    w = passage.split()
+    if len(w) == 3:
+        return tuple(w)
+    if len(w) == 5 and w[1] == "is" and w[3] == "of":
+        return (w[4], w[2], w[0])
+    raise AssertionError(passage)
+
+
+@pytest.mark.parametrize("world_seed", [0, 1, 2])
+def test_world_tasks_mask_every_pivot_occurrence_and_are_recoverable(world_seed):
+    world = data.make_world(world_seed)
+    docs = {d["id"]: d["contents"] for d in data.world_memtrain_docs(world)}
+    tasks = data.world_memtrain_tasks(world_seed, 60, seed=world_seed, max_chunks=8)
+    assert len(tasks) == 60
+    for t in tasks:
+        text = " | ".join(t.chunks)
+        passages = text.split(" | ")
+        assert len(passages) == len(t.passage_ids) == 8 and len(t.chunks) == 8
+        pivot = passages[t.passage_ids.index(t.pivot_id)]
+        assert pivot == data.replace_entity(docs[t.pivot_id], t.answer, data.MASK)
+        assert t.answer not in pivot.split() and data.MASK in pivot.split()
+        assert text.count(data.MASK) == docs[t.pivot_id].split().count(t.answer)   # every occurrence, nowhere else
+        # recoverable: another passage states the pivot's fact with the answer in the masked slot
+        s, r, o = fact_of(docs[t.pivot_id])
+        others = [fact_of(p) for i, p in zip(t.passage_ids, passages) if i != t.pivot_id]
+        assert (s, r, o) in others
+        # and no other passage states a different value for the same slot (facts are functions)
+        masked_subject = s == t.answer
+        if masked_subject:
+            assert not any(f[1] == r and f[2] == o and f[0] != s for f in others)
+        else:
+            assert not any(f[0] == s and f[1] == r and f[2] != o for f in others)
+
+
+def test_world_tasks_are_deterministic_under_seed():
+    a = data.world_memtrain_tasks(4, 10, seed=7)
+    assert a == data.world_memtrain_tasks(4, 10, seed=7)
+    assert a != data.world_memtrain_tasks(4, 10, seed=8)
+
+
+def test_chunks_are_whole_passages_at_most_max_chunks():
+    assert data.split_chunks(list("abcde"), 2) == ["a | b | c", "d | e"]
+    assert data.split_chunks(list("ab"), 8) == ["a", "b"]
+    t = data.world_memtrain_tasks(0, 5, seed=0, max_chunks=3)
+    assert all(len(x.chunks) == 3 for x in t)
+    assert [len(c.split(" | ")) for c in t[0].chunks] == [3, 3, 2]
+
+
+def test_entity_heuristic_on_real_text():
+    text = "The Eiffel Tower was built in Paris by Gustave Eiffel in 1889. It opened on March 31, 1889."
+    assert data.entity_spans(text) == ["Eiffel Tower", "Paris", "Gustave Eiffel", "1889", "March 31, 1889"]
+    assert data.entity_spans("In 4 May 1970 the Bank of England paid 3.5 pounds.") == \
+        ["4 May 1970", "Bank of England", "3.5"]
+    a, b = data.name_pool()[:2]
+    assert data.entity_spans(f"{a} friend {b} | {b} is boss of {a}", NAMES) == [a, b]
+
+
+CORPUS = [
+    {"id": "w1", "contents": "Gustave Eiffel designed the Eiffel Tower in Paris for the 1889 World's Fair."},
+    {"id": "w2", "contents": "The Statue of Liberty was designed by Gustave Eiffel and Frederic Bartholdi."},
+    {"id": "w3", "contents": "Paris hosted the 1889 World's Fair, which drew 32 million visitors."},
+    {"id": "w4", "contents": "London is the capital of England and lies on the Thames."},
+    {"id": "w5", "contents": "The Thames flows through Oxford before it reaches London."},
+    {"id": "w6", "contents": "Frederic Bartholdi was born in Colmar in 1834."},
+    {"id": "w7", "contents": "Colmar is a town in Alsace near the Rhine."},
+    {"id": "w8", "contents": "The Rhine flows from the Alps to the North Sea."},
+]
+
+
+def test_real_format_corpus_file(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
+    docs = data.load_corpus(str(path))
+    tasks = data.masked_reconstruction_tasks(docs, 20, seed=3, max_chunks=4, n_neighbours=2, n_random=2)
+    assert tasks == data.masked_reconstruction_tasks(docs, 20, seed=3, max_chunks=4, n_neighbours=2, n_random=2)
+    by_id = {d["id"]: d["contents"] for d in docs}
+    for t in tasks:
+        assert 1 <= len(t.chunks) <= 4
+        passages = " | ".join(t.chunks).split(" | ")
+        pivot = passages[t.passage_ids.index(t.pivot_id)]
+        assert pivot == by_id[t.pivot_id].replace(t.answer, data.MASK) and t.answer not in pivot
+        assert t.evidence_ids and all(t.answer in by_id[i] and i != t.pivot_id for i in t.evidence_ids)
+        assert set(t.evidence_ids) <= set(t.passage_ids)
+
+
+def test_imr_task_masks_an_earlier_chunk():
+    chunks = ["kalo friend mira | mira boss kalo", "[MASK] is friend of tebo", "lapu rival tebo"]
+    names = NAMES | {"kalo", "mira", "tebo", "lapu"}
+    seen = set()
+    for s in range(40):
+        t = data.imr_task(chunks, 3, random.Random(s), names)
+        assert t.l < t.k < 3
+        assert t.chunk == data.replace_entity(chunks[t.l], t.target, data.TARGET)
+        assert t.target not in t.chunk.split() and data.MASK != t.target
+        seen.add((t.k, t.l, t.target))
+    assert {(1, 0, "kalo"), (1, 0, "mira"), (2, 1, "tebo")} <= seen
+    assert data.imr_task(chunks, 1, random.Random(0), names) is None    # one memory: no earlier chunk
+
+
+def test_add_words_extends_a_world_tokenizer_and_model():
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=16, layers=1, heads=2, ffn=32)
+    added = data.add_words(tok, model, data.MEMTRAIN_WORDS)
+    assert data.MASK in added and "friend" not in added
+    text = f"{data.name_pool()[0]} friend [MASK] ? which entity is [TARGET] , this"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[:-1] == tok.convert_tokens_to_ids(text.split()[:-1]) and tok.unk_token_id not in ids[:-1]
+    assert ids[-1] == tok.unk_token_id                   # "this" is not "is": added words match whole words only
+    assert model.get_input_embeddings().weight.shape[0] == len(tok)
+    assert data.add_words(tok, model, data.MEMTRAIN_WORDS) == []
