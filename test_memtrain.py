@@ -124,3 +124,36 @@ def test_add_words_extends_a_world_tokenizer_and_model():
     assert ids[-1] == tok.unk_token_id                   # "this" is not "is": added words match whole words only
     assert model.get_input_embeddings().weight.shape[0] == len(tok)
     assert data.add_words(tok, model, data.MEMTRAIN_WORDS) == []
+
+
+# --------------------------------------------------------------------------- rewards
+
+def test_reconstruction_reward_is_normalised_exact_match():
+    from reward import reconstruction_reward
+    assert reconstruction_reward("Gustave Eiffel.", "gustave eiffel") == 1.0
+    assert reconstruction_reward("The Thames", "Thames") == 1.0           # articles dropped
+    assert reconstruction_reward("Gustave", "Gustave Eiffel") == 0.0      # no partial credit
+    assert reconstruction_reward(None, "mira") == 0.0
+
+
+def test_memtrain_reward_hand_computed():
+    from reward import memtrain_reward
+    e2e = torch.tensor([1.0, 0.0, 1.0])
+    imr = torch.tensor([[1.0, 0, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0]])
+    # 1 + 0.5/4*2 = 1.25 ; 0 + 0.5/4*4 = 0.5 ; 1 + 0 = 1.0
+    assert torch.allclose(memtrain_reward(e2e, imr), torch.tensor([1.25, 0.5, 1.0]))
+    assert torch.allclose(memtrain_reward(e2e, imr, lam=0.0), e2e)        # the IMR ablation
+    assert torch.allclose(memtrain_reward(e2e, imr, lam=1.0), torch.tensor([1.5, 1.0, 1.0]))
+    with pytest.raises(ValueError):
+        memtrain_reward(e2e, imr[:2])
+
+
+def test_dr_grpo_and_dapo_filter_on_memtrain_rewards():
+    from grpo import filter_groups, grouped_advantage
+    from reward import memtrain_reward
+    # two tasks x G1 = 2: task 0 rewards [1.25, 0.5] (kept), task 1 [1.0, 1.0] (all equal: dropped)
+    r = memtrain_reward(torch.tensor([1.0, 0, 1, 1]), torch.tensor([[1.0, 1], [1, 1], [0, 0], [0, 0]]))
+    gids = torch.tensor([0, 0, 1, 1])
+    assert torch.allclose(r, torch.tensor([1.5, 0.5, 1.0, 1.0]))
+    assert filter_groups(r, gids).tolist() == [True, True, False, False]
+    assert torch.allclose(grouped_advantage(r, gids, norm_by_std=False), torch.tensor([0.5, -0.5, 0.0, 0.0]))
