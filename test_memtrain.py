@@ -157,3 +157,53 @@ def test_dr_grpo_and_dapo_filter_on_memtrain_rewards():
     assert torch.allclose(r, torch.tensor([1.5, 0.5, 1.0, 1.0]))
     assert filter_groups(r, gids).tolist() == [True, True, False, False]
     assert torch.allclose(grouped_advantage(r, gids, norm_by_std=False), torch.tensor([0.5, -0.5, 0.0, 0.0]))
+
+
+# --------------------------------------------------------------------------- the memory agent
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = data.build_tokenizer(data.world_vocab() + data.MEMTRAIN_WORDS)
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
+    return model, tok
+
+
+def test_step_context_is_a_mempo_round_with_the_chunk_as_tool_result(tiny):
+    from rollout import memory_step_context
+    _, tok = tiny
+    a, b, c = data.name_pool()[:3]
+    ids = memory_step_context(tok, data.SYSTEM_PROMPT, "which entity is [MASK] ?", f"{a} friend {b}", f"{b} boss {c}")
+    assert tok.decode(ids) == (f"<|system|> {data.SYSTEM_PROMPT} <|end|> <|user|> which entity is [MASK] ? <|end|> "
+                               f"<|assistant|> <mem> {a} friend {b} </mem> <|end|> "
+                               f"<|user|> <information> {b} boss {c} </information> <|end|> <|assistant|>")
+    first = tok.decode(memory_step_context(tok, data.SYSTEM_PROMPT, "which entity is [MASK] ?", None, a))
+    assert "<mem>" not in first and first.endswith(f"<|user|> <information> {a} </information> <|end|> <|assistant|>")
+
+
+def test_written_memory_is_the_body_capped_at_the_budget(tiny):
+    from rollout import written_memory
+    _, tok = tiny
+    a, b, c = data.name_pool()[:3]
+    assert written_memory(tok, f"<mem> {a} friend {b} </mem> <think> answer </think>", 8) == f"{a} friend {b}"
+    assert written_memory(tok, f"<mem> {a} friend {b} boss {c}", 3) == f"{a} friend {b}"     # never closed: cut
+
+
+def test_memory_rollout_carries_each_memory_into_the_next_step(tiny):
+    from rollout import MemAgentConfig, memory_rollout
+    model, tok = tiny
+    tasks = data.world_memtrain_tasks(0, 2, seed=0, max_chunks=3)
+    cfg = MemAgentConfig(data.SYSTEM_PROMPT, mem_tokens=6, answer_tokens=4)
+    trajs = memory_rollout(model, tok, tasks, 3, cfg, torch.Generator().manual_seed(0))
+    assert [x.group_id for x in trajs] == [0, 0, 0, 1, 1, 1]
+    for x in trajs:
+        assert len(x.rounds) == len(x.memories) == 3
+        for t, r in enumerate(x.rounds):
+            ctx = tok.decode(r.context_ids)
+            assert f"<information> {x.chunks[t]} </information>" in ctx
+            if t:
+                assert f"<mem> {x.memories[t - 1]} </mem>" in ctx
+            assert tok.decode(r.prefix_ids) == "<mem>"
+            assert len(tok.encode(x.memories[t], add_special_tokens=False)) <= 6
+            assert len(r.output_ids) <= 6 + 1 + (4 if t == 2 else 0)
+    again = memory_rollout(model, tok, tasks, 3, cfg, torch.Generator().manual_seed(0))
+    assert [x.memories for x in again] == [x.memories for x in trajs]
