@@ -207,3 +207,52 @@ def test_memory_rollout_carries_each_memory_into_the_next_step(tiny):
             assert len(r.output_ids) <= 6 + 1 + (4 if t == 2 else 0)
     again = memory_rollout(model, tok, tasks, 3, cfg, torch.Generator().manual_seed(0))
     assert [x.memories for x in again] == [x.memories for x in trajs]
+
+
+# --------------------------------------------------------------------------- one MemTrain step
+
+def format_warm_start(model, tok, steps: int = 150, seed: int = 0):
+    """A few SFT steps on scripted memory-agent rounds (memory = the newest chunks, last step answers the
+    gold) so the tiny model writes the step format and the rewards of a group can differ."""
+    import train
+    from rollout import memory_step_context
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for s in range(steps):
+        rows = []
+        for task in data.world_memtrain_tasks(rng.randrange(10**6), 4, seed=s, max_chunks=2):
+            mem = None
+            for t, chunk in enumerate(task.chunks):
+                ctx = memory_step_context(tok, data.SYSTEM_PROMPT, task.problem, mem, chunk)
+                new = " ".join(((mem or "") + " " + chunk).split()[-6:])
+                text = f"<mem> {new} </mem>"
+                if t == len(task.chunks) - 1:
+                    text += f" <think> answer </think> <answer> {task.answer} </answer>"
+                rows.append(train.Sample(ctx + tok.encode(text, add_special_tokens=False), len(ctx)))
+                mem = new
+        batch = train.collate(rows, tok.pad_token_id, "cpu")
+        n = float(sum(len(r.ids) - r.n_prompt for r in rows))
+        opt.zero_grad()
+        loss = train.sft_loss(model, batch, n)
+        loss.backward()
+        opt.step()
+    print('warm-start loss', loss.item())
+    return model.eval()
+
+
+def test_one_memtrain_step_changes_weights_and_logs_dropped_groups():
+    import train
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=64, layers=1, heads=4, ffn=128, seed=0)
+    assert data.add_words(tok, model, data.MEMTRAIN_WORDS)
+    format_warm_start(model, tok)
+    cfg = train.parse_args(["--algo", "memtrain", "--questions", "4", "--group", "8", "--imr-group", "2",
+                            "--mem-tokens", "8", "--max-chunks", "2", "--lr", "1e-3"])
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    m = train.memtrain_step(model, None, tok, opt, cfg, 0)
+    assert m["answered"] > 0.5 and m["mem_closed"] > 0.5          # the warm start taught the format
+    assert m["kept_groups"] + m["dropped_groups"] == 4 and m["kept_groups"] >= 1
+    assert "skipped" not in m and all(torch.isfinite(torch.tensor(m[k])) for k in ("loss", "grad_norm", "score"))
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -31,6 +31,11 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
   With more epochs ``old_logp`` is computed once, before the first update.
 * A step whose advantages are all zero (every group tied, no memory signal), or whose loss or
   gradient is not finite, is skipped with the reason in the metrics; the weights are untouched.
+* ``--algo memtrain`` is MemTrain's self-supervised memory pre-training (masked reconstruction + IMR,
+  Dr.GRPO + DAPO filter, every memory step a row; its choices are in the MemTrain section below). Its
+  checkpoint feeds task RL through the existing ``--model RUN/final`` (no separate ``--init-from``):
+  ``--model SFT/final --algo memtrain`` then ``--model MT/final --algo mempo``. This file is past the
+  ~600 lines of STYLE.md; the fixed top-level file list leaves no ``sft.py`` / ``memtrain.py`` to move to.
 * Checkpoints (``save_pretrained`` + optimizer + step + RNG) are written to a temporary folder and
   renamed into place, so a kill leaves either the old or the new one. Data order depends only on
   ``(seed, step)``, so ``--resume`` continues a killed run with the same batches.
@@ -76,7 +81,7 @@ class Config:
     sft_objectives: str = "1-4"
     hops: str = "1-3"
     # RL
-    algo: str = "mempo"        # mempo | grpo
+    algo: str = "mempo"        # mempo | grpo | memtrain
     rl_steps: int = 60
     questions: int = 8         # B questions per step
     group: int = 8             # G rollouts per question
@@ -107,6 +112,11 @@ class Config:
     eval_every: int = 20
     eval_tasks: int = 32
     resume: bool = False
+    # MemTrain (--algo memtrain): --questions tasks x --group G1 end-to-end rollouts per step
+    imr_group: int = 2         # G2 IMR rollouts per trajectory (paper 8)
+    imr_lam: float = 0.5       # lambda: weight of the IMR reward (0 = the ablation without IMR)
+    mem_tokens: int = 48       # memory budget of the memory agent, tokens
+    max_chunks: int = 4        # chunks per masked-reconstruction task (8 passages, grouped)
 
 
 def parse_args(argv=None) -> Config:
@@ -122,7 +132,8 @@ def parse_args(argv=None) -> Config:
         "sft_lr": "SFT learning rate",
         "sft_copy_steps": "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model to copy names)", "forget_p": "fraction of expert episodes with the forgetting flaw",
         "sft_objectives": "objective counts K of SFT questions, e.g. 1-10", "hops": "hops per objective, e.g. 1-3",
-        "algo": "mempo (outcome + memory advantage) | grpo (outcome only)", "rl_steps": "RL steps (0 skips RL)",
+        "algo": "mempo (outcome + memory advantage) | grpo (outcome only) | memtrain (self-supervised memory "
+                "pre-training: masked reconstruction + IMR; start RL from its checkpoint with --model RUN/final)", "rl_steps": "RL steps (0 skips RL)",
         "questions": "questions per RL step", "group": "rollouts per question (G)",
         "rl_objectives": "objective counts K of RL questions", "rl_hops": "hops per objective in RL",
         "lr": "RL learning rate", "train_context": "snail | full: the context RL rollouts see",
@@ -141,6 +152,10 @@ def parse_args(argv=None) -> Config:
         "sft_mem_answer": "probability per expert round of an extra SFT row (prompt + <mem> -> answer), so P_mem is in distribution", "save_every": "checkpoint every N RL steps",
         "eval_every": "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", "eval_tasks": "tasks per K in the periodic eval",
         "resume": "continue from RUN/ckpt",
+        "imr_group": "MemTrain: IMR rollouts per end-to-end trajectory (G2)",
+        "imr_lam": "MemTrain: lambda, weight of the mean IMR reward in R = e2e + lambda * mean(IMR)",
+        "mem_tokens": "MemTrain: memory budget of the memory agent in tokens",
+        "max_chunks": "MemTrain: chunks per masked-reconstruction task (--corpus: that corpus; else embedded worlds)",
     }
     for name, default in asdict(Config()).items():
         flag = "--" + name.replace("_", "-")
@@ -483,14 +498,99 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     bar = tqdm(range(start, cfg.rl_steps), desc=f"rl/{cfg.algo}", initial=start, total=cfg.rl_steps)
     for step in bar:
-        m = rl_step(model, ref_model, tokenizer, optimizer, cfg, step, agent, real_tasks, real_tool)
+        if cfg.algo == "memtrain":
+            m = memtrain_step(model, ref_model, tokenizer, optimizer, cfg, step, real_tool)
+        else:
+            m = rl_step(model, ref_model, tokenizer, optimizer, cfg, step, agent, real_tasks, real_tool)
         if cfg.eval_every and real_tasks is None and (step + 1) % cfg.eval_every == 0:
             res = evaluate_embedded(model, tokenizer, [4], cfg.eval_tasks, seed=cfg.seed, split="valid")
             m["val_f1_k4"] = res[4]["f1"]
         log_jsonl(metrics_path, m)
-        bar.set_postfix(score=f"{m['score']:.3f}", f1=f"{m['f1']:.3f}")
+        bar.set_postfix(score=f"{m['score']:.3f}", f1=f"{m.get('f1', m.get('e2e', 0.0)):.3f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.rl_steps:
             save_checkpoint(ckpt, model, tokenizer, optimizer, {"stage": "rl", "step": step + 1})
+
+
+# --- MemTrain: self-supervised memory pre-training (ALGORITHM.md section 3)
+#
+# One step: --questions masked-reconstruction tasks (a fresh embedded world each step, or --corpus),
+# G1 = --group memory-agent rollouts per task, G2 = --imr-group IMR rollouts per trajectory, then
+#
+#     R_i = 1[e2e_i] + lam / G2 * sum_j 1[imr_ij]          (reward.memtrain_reward)
+#     A_i = R_i - mean_group(R)                            (Dr.GRPO: grpo.grouped_advantage(norm_by_std=False))
+#     groups whose R are all equal are dropped             (DAPO: grpo.filter_groups; count logged)
+#
+# and every memory-update step of a kept trajectory is a training row carrying A_i, through the shared
+# ppo_update. Choices: each of the G2 IMR rollouts draws its own (k, l, target), so they probe different
+# memories; IMR rollouts are not training rows (their only job is the reward); KL and lr are the common
+# flags (paper: KL 1e-3, lr 1e-6 on 7B). There is no --init-from: --model RUN/final already loads a
+# checkpoint (tokenizer with [MASK] included) and starts RL from it, so MemPO / GRPO after MemTrain is
+# ``train.py --model MT_RUN/final --algo mempo``; MemTrain after SFT is ``--model SFT_RUN/final --algo memtrain``.
+
+from reward import memtrain_reward, reconstruction_reward                     # noqa: E402
+from grpo import filter_groups                                                 # noqa: E402
+from rollout import MemAgentConfig, imr_rollout, memory_rollout               # noqa: E402
+
+
+def memtrain_tasks(cfg: Config, step: int, real_tool=None) -> tuple[list, frozenset | None]:
+    """The step's masked-reconstruction tasks and entity names (None = the real-text heuristic)."""
+    rng = random.Random(cfg.seed * 5_000_011 + step)
+    if real_tool is not None:
+        return data.masked_reconstruction_tasks(real_tool.docs, cfg.questions, rng.randrange(10**9), cfg.max_chunks,
+                                                bm25=real_tool.bm25), None
+    return (data.world_memtrain_tasks(rng.randrange(10**9), cfg.questions, rng.randrange(10**9), cfg.max_chunks),
+            frozenset(data.name_pool()))
+
+
+def imr_scores(model, tokenizer, trajs, n_imr: int, agent: MemAgentConfig, rng: random.Random, names, gen) -> torch.Tensor:
+    """IMR rewards (N, G2): for each trajectory, G2 draws of (step k, chunk l < k, target), answered from o_k."""
+    items, where = [], []
+    for i, x in enumerate(trajs):
+        for j in range(n_imr):
+            task = data.imr_task(x.chunks, len(x.memories), rng, names)
+            if task is not None:
+                items.append((task.problem, x.memories[task.k], task.chunk, task.target))
+                where.append((i, j))
+    imr = torch.zeros(len(trajs), n_imr)
+    preds = imr_rollout(model, tokenizer, [it[:3] for it in items], agent, gen)
+    for (i, j), it, pred in zip(where, items, preds):
+        imr[i, j] = reconstruction_reward(pred, it[3])
+    return imr
+
+
+def memtrain_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, real_tool=None) -> dict:
+    """One MemTrain step: memory rollouts -> e2e + IMR rewards -> Dr.GRPO + DAPO filter -> PPO update."""
+    m: dict = {"stage": "memtrain", "step": step}
+    tasks, names = memtrain_tasks(cfg, step, real_tool)
+    agent = MemAgentConfig(data.SYSTEM_PROMPT, mem_tokens=cfg.mem_tokens, temperature=cfg.temperature)
+    gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step)
+    t0 = time.time()
+    model.eval()
+    trajs = memory_rollout(model, tokenizer, tasks, cfg.group, agent, gen)
+    e2e = torch.tensor([reconstruction_reward(x.answer, x.gold) for x in trajs])
+    imr = imr_scores(model, tokenizer, trajs, cfg.imr_group, agent, random.Random(cfg.seed * 6_000_007 + step),
+                     names, gen)
+    m["sec_rollout"] = time.time() - t0
+    scores = memtrain_reward(e2e, imr, cfg.imr_lam)                          # (N,)
+    gids = torch.tensor([x.group_id for x in trajs])
+    keep = filter_groups(scores, gids)                                        # (N,) bool
+    adv = grouped_advantage(scores, gids, norm_by_std=False)                  # (N,)
+    n_groups = len(tasks)
+    m.update(score=scores.mean().item(), e2e=e2e.mean().item(), imr=imr.mean().item(),
+             answered=sum(x.answer is not None for x in trajs) / len(trajs),
+             mem_closed=sum(r.mem_end > 0 for x in trajs for r in x.rounds) / sum(len(x.rounds) for x in trajs),
+             kept_groups=len(set(gids[keep].tolist())), dropped_groups=n_groups - len(set(gids[keep].tolist())))
+    samples = [Sample(r.context_ids + r.round_ids, len(r.context_ids) + len(r.prefix_ids), r.mem_end,
+                      len(r.prefix_ids), float(adv[i]))
+               for i, x in enumerate(trajs) if keep[i] for r in x.rounds if r.output_ids]
+    t0 = time.time()
+    if not samples or all(s.adv_t == 0 for s in samples):
+        m["skipped"] = "every group dropped by the DAPO filter"
+        m["sec_update"] = time.time() - t0
+        return m
+    m.update(ppo_update(model, ref_model, optimizer, samples, cfg, tokenizer.pad_token_id))
+    m["sec_update"] = time.time() - t0
+    return m
 
 
 # --------------------------------------------------------------------------- main
@@ -529,6 +629,10 @@ def main(argv=None) -> None:
         if not cfg.corpus:
             raise SystemExit("--data needs --corpus (the documents the search tool searches)")
         real_tasks, real_tool = data.load_qa(cfg.data), SearchTool(data.load_corpus(cfg.corpus))
+    elif cfg.algo == "memtrain" and cfg.corpus:
+        real_tool = SearchTool(data.load_corpus(cfg.corpus))         # unlabeled text: its BM25 index is reused
+    if cfg.algo == "memtrain":
+        data.add_words(tokenizer, model, data.MEMTRAIN_WORDS)        # [MASK], [TARGET], ... (no-op for BPE)
 
     if state["stage"] == "sft" and cfg.sft_steps > 0:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
