@@ -256,3 +256,38 @@ def test_one_memtrain_step_changes_weights_and_logs_dropped_groups():
     assert m["kept_groups"] + m["dropped_groups"] == 4 and m["kept_groups"] >= 1
     assert "skipped" not in m and all(torch.isfinite(torch.tensor(m[k])) for k in ("loss", "grad_norm", "score"))
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+# --------------------------------------------------------------------------- eval
+
+def test_memtrain_summary_hand_computed():
+    from eval import memtrain_summary
+    s = memtrain_summary(["mira", "Gustave Eiffel", "1889"], ["Mira", None, "1890"], ["kalo", "tebo"], ["kalo", None])
+    assert s == {"reconstruction": 1 / 3, "imr": 0.5, "answered": 2 / 3, "n": 3, "imr_n": 2}
+
+
+def test_heldout_tasks_are_deterministic_and_split_apart():
+    from eval import memtrain_heldout
+    a, names = memtrain_heldout(6, "test")
+    assert names == NAMES and a == memtrain_heldout(6, "test")[0]
+    assert {t.pivot_id + t.answer for t in a} != {t.pivot_id + t.answer for t in memtrain_heldout(6, "valid")[0]}
+
+
+def test_eval_cli_on_world_and_real_format_corpus(tmp_path, capsys):
+    import eval as ev
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
+    tok = data.build_bpe_tokenizer(data.world_texts(1) + [d["contents"] for d in CORPUS] + data.MEMTRAIN_WORDS)
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64)
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    ev.main(["--checkpoint", str(tmp_path / "ckpt"), "--memtrain", "--corpus", str(path), "--tasks", "5",
+             "--mem-tokens", "6", "--max-chunks", "3", "--device", "cpu"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memtrain"]
+    assert set(out) == {"world", "corpus"} and out["world"]["n"] == out["corpus"]["n"] == 5
+    # every task has 3 chunks and every step writes a memory, so IMR is built where an earlier chunk has an entity
+    corpus_tasks, _ = ev.memtrain_heldout(5, "test", 0, 3, data.load_corpus(str(path)))
+    expected = sum(any(data.entity_spans(c) for c in t.chunks[:2]) for t in corpus_tasks)
+    assert out["corpus"]["imr_n"] == expected
+    again = ev.evaluate_memtrain(*ev.load(str(tmp_path / "ckpt"), torch.device("cpu")), corpus_tasks, None, 6)
+    assert again == out["corpus"]                                              # greedy: reproducible
