@@ -38,6 +38,12 @@ token by token); with slots the two sources differ only where memory holds a nam
 a ``_``. Two earlier formats (the newest fact per objective; the current entity per objective)
 needed the model to count finished objectives to find the next one in the question, and a 2-layer
 model did not learn that in 1500 SFT steps.
+MemTrain's proxy tasks (section ``# --- MemTrain: proxy tasks``, ALGORITHM.md section 3): masked-entity
+reconstruction over any ``{id, contents}`` corpus or an embedded world (which gets one paraphrase document
+per fact, so a masked fact is always stated by another passage), an entity heuristic for real text, the
+IMR builder, and ``add_words`` to give an SFT checkpoint ``[MASK]`` / ``[TARGET]``; the section's comment
+lists its choices.
+
 Its flaw (``forget_p``): on that fraction of episodes a finished entry is dropped as soon as a
 newer objective finishes, so only the newest answer survives and it answers ``unknown`` for the
 others. The flaw is decided per

@@ -9,6 +9,9 @@ model processed, summed over the episode's rounds), PT (peak tokens: the longest
 context + output), and mean turns. TT and PT are means over episodes. A table on stdout, then
 one JSON line last.
 
+``--memtrain``: MemTrain's reconstruction accuracy and IMR accuracy (greedy) on held-out masked-entity
+tasks of the embedded world, and of ``--corpus`` (any ``{id, contents}`` JSONL) when given.
+
 Held-out sets of the embedded world are new worlds (new fact graphs and questions) over the same
 pool of entity names as training; ``--split valid`` and ``--split test`` are disjoint world seeds:
 pick settings on ``valid``, report on ``test``.

@@ -28,6 +28,10 @@ The seed's A1 steps: (1) rollout records full_traj and the round's <mem> span fo
 twice; (4) one compute_log_prob call; (5) split it into full_logp = [:N], mem_logp = [N:];
 (6) threshold masks, P, P_mem - P_full; the rewards are then pooled and normalised in grpo.py.
 
+**MemTrain** (section at the end, ALGORITHM.md section 3): ``reconstruction_reward`` = 1[pred == entity]
+(EM after normalisation) for the end-to-end and IMR rollouts, and ``memtrain_reward`` =
+e2e_i + (lam / G2) * sum_j imr_ij.
+
 Choices (the paper and the seed do not fix these):
 * validate_format checks rounds in order and, within a round, rules 1..8 in number order; the
   first broken rule is reported. Rule 6 is checked per round: a round before the last that

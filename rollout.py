@@ -23,6 +23,10 @@ and records everything the memory reward and the update need: the exact context 
 loss mask 1 on ``output`` only: in ``full`` mode this equals the original's one growing sequence
 (same tokens, same conditioning), computed per round for simplicity.
 
+MemTrain's memory agent (section at the end, ALGORITHM.md section 3): one MemPO-format step per chunk
+(the chunk arrives as a tool result, forced ``<mem>``, memory capped at a token budget, the last step
+answers), batched across rollouts on the same engine; its choices are listed in that section.
+
 Choices: a round that does not end in an action tag (EOS, max tokens) ends its trajectory, which
 the format check then scores 0; tool output is a whole chunk of the next prompt, never fed token
 by token; CUDA uses bf16 and flash-attention-2 when ``flash_attn`` imports, else SDPA.
