@@ -577,6 +577,24 @@ def imr_task(chunks: list[str], n_steps: int, rng: random.Random,
     return IMRTask(k, l, replace_entity(chunks[l], target, TARGET), target)
 
 
+def memtrain_expert_rounds(task: MemTrainTask, mem_words: int = 40) -> list[str]:
+    """Scripted memory-agent steps for a format warm start: memory = every passage read so far, the oldest
+    passages holding neither ``[MASK]`` nor the answer dropped first when over ``mem_words`` words (the
+    expert is an oracle: it keeps the evidence); the last step answers the masked entity."""
+    kept: list[str] = []
+    out = []
+    spare = lambda p: MASK not in p and not _occurs(task.answer, p)      # noqa: E731
+    for t, chunk in enumerate(task.chunks):
+        kept += chunk.split(" | ")
+        while sum(len(p.split()) for p in kept) > mem_words and any(spare(p) for p in kept):
+            kept.remove(next(p for p in kept if spare(p)))
+        text = f"<mem> {' | '.join(kept)} </mem>"
+        if t == len(task.chunks) - 1:
+            text += f" <think> answer </think> <answer> {task.answer} </answer>"
+        out.append(text)
+    return out
+
+
 def add_words(tokenizer, model, words: list[str]) -> list[str]:
     """Add the ``words`` a tokenizer maps to ``<unk>`` as whole-word tokens and grow the model's embeddings.
 

@@ -291,3 +291,11 @@ def test_eval_cli_on_world_and_real_format_corpus(tmp_path, capsys):
     assert out["corpus"]["imr_n"] == expected
     again = ev.evaluate_memtrain(*ev.load(str(tmp_path / "ckpt"), torch.device("cpu")), corpus_tasks, None, 6)
     assert again == out["corpus"]                                              # greedy: reproducible
+
+
+def test_memtrain_expert_keeps_the_masked_passage_and_answers():
+    task = data.MemTrainTask(data.problem_text(), "mira", ["a b c | d e f", "x [MASK] y | mira q", "g h i"], "p", [], [])
+    rounds = data.memtrain_expert_rounds(task, mem_words=7)
+    assert rounds == ["<mem> a b c | d e f </mem>",
+                      "<mem> x [MASK] y | mira q </mem>",                      # 10 words > 7: a b c, d e f dropped
+                      "<mem> x [MASK] y | mira q </mem> <think> answer </think> <answer> mira </answer>"]

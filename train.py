@@ -117,6 +117,7 @@ class Config:
     imr_lam: float = 0.5       # lambda: weight of the IMR reward (0 = the ablation without IMR)
     mem_tokens: int = 48       # memory budget of the memory agent, tokens
     max_chunks: int = 4        # chunks per masked-reconstruction task (8 passages, grouped)
+    memtrain_warmup: int = 0   # SFT steps on scripted memory-agent rounds before MemTrain RL (a tiny model's format)
 
 
 def parse_args(argv=None) -> Config:
@@ -156,6 +157,8 @@ def parse_args(argv=None) -> Config:
         "imr_lam": "MemTrain: lambda, weight of the mean IMR reward in R = e2e + lambda * mean(IMR)",
         "mem_tokens": "MemTrain: memory budget of the memory agent in tokens",
         "max_chunks": "MemTrain: chunks per masked-reconstruction task (--corpus: that corpus; else embedded worlds)",
+        "memtrain_warmup": "MemTrain: SFT steps (--sft-batch rows, --sft-lr) on scripted memory-agent rounds before "
+                           "the RL steps, so a tiny model writes the step format (0 = none, as in the paper)",
     }
     for name, default in asdict(Config()).items():
         flag = "--" + name.replace("_", "-")
@@ -558,6 +561,42 @@ def imr_scores(model, tokenizer, trajs, n_imr: int, agent: MemAgentConfig, rng: 
     return imr
 
 
+def memtrain_warmup_batch(tokenizer, cfg: Config, step: int, real_tool=None) -> list[Sample]:
+    """``cfg.sft_batch`` rows of scripted memory-agent steps (``data.memtrain_expert_rounds``), drawn for this step."""
+    from rollout import memory_step_context
+    rows: list[Sample] = []
+    prefix = tokenizer.encode("<mem>", add_special_tokens=False)
+    while len(rows) < cfg.sft_batch:
+        tasks, _ = memtrain_tasks(cfg, 10**6 + 1000 * step + len(rows), real_tool)
+        for task in tasks:
+            mem = None
+            for chunk, text in zip(task.chunks, data.memtrain_expert_rounds(task, cfg.mem_tokens * 4 // 5)):
+                ctx = memory_step_context(tokenizer, data.SYSTEM_PROMPT, task.problem, mem, chunk) + prefix
+                rows.append(Sample(ctx + tokenizer.encode(text[len("<mem>"):], add_special_tokens=False), len(ctx)))
+                mem = text.split("<mem>", 1)[1].split("</mem>", 1)[0].strip()
+    return rows[: cfg.sft_batch]
+
+
+def run_memtrain_warmup(model, tokenizer, cfg: Config, metrics_path: str, real_tool=None) -> None:
+    """``cfg.memtrain_warmup`` SFT steps on scripted memory-agent rounds (constant lr ``cfg.sft_lr``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    model.train()
+    for step in range(cfg.memtrain_warmup):
+        t0 = time.time()
+        samples = memtrain_warmup_batch(tokenizer, cfg, step, real_tool)
+        n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
+        opt.zero_grad(set_to_none=True)
+        loss = 0.0
+        for mb in micro_batches(samples, cfg.micro_tokens):
+            part = sft_loss(model, collate(mb, tokenizer.pad_token_id, model.device), n_tokens)
+            part.backward()
+            loss += part.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        if step % 50 == 0 or step == cfg.memtrain_warmup - 1:
+            log_jsonl(metrics_path, {"stage": "memtrain_warmup", "step": step, "loss": loss, "sec": time.time() - t0})
+
+
 def memtrain_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, real_tool=None) -> dict:
     """One MemTrain step: memory rollouts -> e2e + IMR rewards -> Dr.GRPO + DAPO filter -> PPO update."""
     m: dict = {"stage": "memtrain", "step": step}
@@ -645,6 +684,8 @@ def main(argv=None) -> None:
     if trainer is not None and state["stage"] == "rl":
         opt.load_state_dict(trainer["optimizer"])
         torch.set_rng_state(trainer["torch_rng"])
+    if cfg.algo == "memtrain" and cfg.memtrain_warmup > 0 and state["step"] == 0:
+        run_memtrain_warmup(model, tokenizer, cfg, metrics_path, real_tool)
     if cfg.rl_steps > 0:
         run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, real_tasks, real_tool)
     model.save_pretrained(os.path.join(cfg.run, "final"))
