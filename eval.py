@@ -9,6 +9,9 @@ model processed, summed over the episode's rounds), PT (peak tokens: the longest
 context + output), and mean turns. TT and PT are means over episodes. A table on stdout, then
 one JSON line last.
 
+``--memtrain``: MemTrain's reconstruction accuracy and IMR accuracy (greedy) on held-out masked-entity
+tasks of the embedded world, and of ``--corpus`` (any ``{id, contents}`` JSONL) when given.
+
 Held-out sets of the embedded world are new worlds (new fact graphs and questions) over the same
 pool of entity names as training; ``--split valid`` and ``--split test`` are disjoint world seeds:
 pick settings on ``valid``, report on ``test``.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 
 import torch
@@ -321,6 +325,54 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
     return out
 
 
+# --- MemTrain: reconstruction and IMR accuracy (ALGORITHM.md section 3)
+#
+# Greedy memory-agent rollouts on held-out masked-reconstruction tasks: reconstruction accuracy = the
+# fraction whose final <answer> is the masked entity (normalised EM); IMR accuracy = one IMR query per
+# trajectory (step k, chunk l < k, [TARGET]; drawn with a seeded rng), answered greedily from memory o_k.
+# Held-out world tasks come from the split's world seeds (disjoint from the random seeds of training
+# worlds except by a one-in-10^9 chance, as for the QA splits); a real corpus uses the text heuristic.
+
+def memtrain_heldout(n: int, split: str = "test", seed: int = 0, max_chunks: int = 4,
+                     corpus: list[dict] | None = None) -> tuple[list, frozenset | None]:
+    """``n`` held-out masked-reconstruction tasks (a split world, or ``corpus``) and the entity names to use."""
+    if corpus is not None:
+        return data.masked_reconstruction_tasks(corpus, n, SPLIT_SEEDS[split] + seed, max_chunks), None
+    return (data.world_memtrain_tasks(SPLIT_SEEDS[split] + 500 + seed, n, seed=SPLIT_SEEDS[split] + seed,
+                                      max_chunks=max_chunks), frozenset(data.name_pool()))
+
+
+def memtrain_summary(golds: list[str], answers: list[str | None], imr_targets: list[str],
+                     imr_answers: list[str | None]) -> dict:
+    """Reconstruction accuracy, IMR accuracy, answered rate and counts from predictions and golds."""
+    from reward import reconstruction_reward
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0    # noqa: E731
+    return {"reconstruction": mean([reconstruction_reward(a, g) for a, g in zip(answers, golds)]),
+            "imr": mean([reconstruction_reward(a, g) for a, g in zip(imr_answers, imr_targets)]),
+            "answered": mean([a is not None for a in answers]), "n": len(golds), "imr_n": len(imr_targets)}
+
+
+def evaluate_memtrain(model, tokenizer, tasks: list, names=None, mem_tokens: int = 48, seed: int = 0,
+                      batch: int = 64) -> dict:
+    """Greedy reconstruction and IMR accuracy of the memory agent on ``tasks`` (``data.MemTrainTask``)."""
+    from rollout import MemAgentConfig, imr_rollout, memory_rollout
+    agent = MemAgentConfig(data.SYSTEM_PROMPT, mem_tokens=mem_tokens, temperature=0.0)
+    rng = random.Random(seed)
+    golds, answers, targets, imr_answers = [], [], [], []
+    for i in range(0, len(tasks), batch):
+        trajs = memory_rollout(model, tokenizer, tasks[i:i + batch], 1, agent)
+        golds += [x.gold for x in trajs]
+        answers += [x.answer for x in trajs]
+        items = []
+        for x in trajs:
+            q = data.imr_task(x.chunks, len(x.memories), rng, names)
+            if q is not None:
+                items.append((q.problem, x.memories[q.k], q.chunk))
+                targets.append(q.target)
+        imr_answers += imr_rollout(model, tokenizer, items, agent)
+    return memtrain_summary(golds, answers, targets, imr_answers)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Evaluate MemPO checkpoints.")
     p.add_argument("--checkpoint", help="run folder or checkpoint folder saved by train.py (e.g. runs/default)")
@@ -342,6 +394,10 @@ def main(argv=None) -> None:
                    help="with --data: MEM1-style K-objective questions joined from the file's, one table row per K")
     p.add_argument("--system-prompt", default="", help="text file with the system prompt (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--memtrain", action="store_true",
+                   help="MemTrain: reconstruction and IMR accuracy on held-out world tasks (and on --corpus if given)")
+    p.add_argument("--mem-tokens", type=int, default=48, help="MemTrain: memory budget in tokens")
+    p.add_argument("--max-chunks", type=int, default=4, help="MemTrain: chunks per held-out task")
     args = p.parse_args(argv)
     device = pick_device(args.device)
     a, b = (int(x) for x in args.hops.split("-"))
@@ -360,6 +416,15 @@ def main(argv=None) -> None:
     if args.system_prompt:
         with open(args.system_prompt, encoding="utf-8") as f:
             prompt = f.read().strip()
+    if args.memtrain:
+        data.add_words(tokenizer, model, data.MEMTRAIN_WORDS)      # an SFT checkpoint has no [MASK] yet
+        sets = {"world": memtrain_heldout(args.tasks, args.split, args.seed, args.max_chunks)}
+        if args.corpus:
+            sets["corpus"] = memtrain_heldout(args.tasks, args.split, args.seed, args.max_chunks,
+                                              data.load_corpus(args.corpus))
+        res = {k: evaluate_memtrain(model, tokenizer, t, names, args.mem_tokens, args.seed) for k, (t, names) in sets.items()}
+        print(json.dumps({"checkpoint": args.checkpoint, "split": args.split, "memtrain": res}))
+        return
     if args.data:
         if not args.corpus:
             raise SystemExit("--data needs --corpus")

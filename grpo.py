@@ -25,7 +25,8 @@ Choices and deviations (the paper / seed do not fix these):
   "std ~0.5 -> +0.8 / -1.2", which is the population std rounded; unbiased gives 0.5477 ->
   +0.7303 / -1.0954. A group (or pool) of one value gets advantage 0 (mean = itself, std := 1).
   A constant group gets 0, never NaN (the eps in the denominator).
-* norm_by_std=False is Dr.GRPO (score - mean), used by MemTrain.
+* norm_by_std=False is Dr.GRPO (score - mean), used by MemTrain, together with filter_groups
+  (DAPO: rows of groups whose scores are all equal are dropped; train.py logs kept / dropped groups).
 * memory_advantage offers four pooling modes: "std" (the paper's pool over trajectories and
   rounds), "none" (pool mean only), "round" (a separate pool per round index k, so round 2
   memories compete only with round 2 memories; keyed on the real round index that

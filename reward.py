@@ -28,6 +28,10 @@ The seed's A1 steps: (1) rollout records full_traj and the round's <mem> span fo
 twice; (4) one compute_log_prob call; (5) split it into full_logp = [:N], mem_logp = [N:];
 (6) threshold masks, P, P_mem - P_full; the rewards are then pooled and normalised in grpo.py.
 
+**MemTrain** (section at the end, ALGORITHM.md section 3): ``reconstruction_reward`` = 1[pred == entity]
+(EM after normalisation) for the end-to-end and IMR rollouts, and ``memtrain_reward`` =
+e2e_i + (lam / G2) * sum_j imr_ij.
+
 Choices (the paper and the seed do not fix these):
 * validate_format checks rounds in order and, within a round, rules 1..8 in number order; the
   first broken rule is reported. Rule 6 is checked per round: a round before the last that
@@ -323,3 +327,26 @@ def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float =
     out["mask_mem"], out["mask_full"] = n_mem.tolist(), n_full.tolist()
     out["empty_frac"] = float(((n_full == 0) | (n_mem == 0)).float().mean())
     return out
+
+
+# --- MemTrain: reconstruction rewards (ALGORITHM.md section 3)
+#
+#     e2e_i   = 1[pred_i == entity]              the masked entity, answered from the final memory
+#     imr_ij  = 1[pred_ij == target]             IMR rollout j of trajectory i: memory o_k + chunk l -> [TARGET]
+#     R_i     = e2e_i + (lam / G2) * sum_j imr_ij          lam = 0.5 (paper)
+#
+# Choices: "==" is exact match after SQuAD normalisation (``normalize_answer``: "Gustave Eiffel." matches
+# "gustave eiffel"); no answer (None: the trajectory never closed ``</answer>``) scores 0. An IMR rollout
+# that could not be built (no earlier chunk with an entity) scores 0 too; the caller passes 0 for it.
+
+def reconstruction_reward(pred: str | None, entity: str) -> float:
+    """End-to-end / IMR reward: 1.0 iff the normalised prediction equals the normalised entity."""
+    return 0.0 if pred is None else em_score(pred, [entity])
+
+
+def memtrain_reward(e2e: Tensor, imr: Tensor, lam: float = 0.5) -> Tensor:
+    """R_i = e2e_i + lam / G2 * sum_j imr_ij; e2e (G1,), imr (G1, G2) -> (G1,)."""
+    if imr.dim() != 2 or imr.shape[0] != e2e.shape[0]:
+        raise ValueError(f"imr must be (G1, G2) with G1 = {e2e.shape[0]}, got {tuple(imr.shape)}")
+    g2 = max(imr.shape[1], 1)
+    return e2e.float() + lam / g2 * imr.float().sum(-1)

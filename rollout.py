@@ -23,6 +23,10 @@ and records everything the memory reward and the update need: the exact context 
 loss mask 1 on ``output`` only: in ``full`` mode this equals the original's one growing sequence
 (same tokens, same conditioning), computed per round for simplicity.
 
+MemTrain's memory agent (section at the end, ALGORITHM.md section 3): one MemPO-format step per chunk
+(the chunk arrives as a tool result, forced ``<mem>``, memory capped at a token budget, the last step
+answers), batched across rollouts on the same engine; its choices are listed in that section.
+
 Choices: a round that does not end in an action tag (EOS, max tokens) ends its trajectory, which
 the format check then scores 0; tool output is a whole chunk of the next prompt, never fed token
 by token; CUDA uses bf16 and flash-attention-2 when ``flash_attn`` imports, else SDPA.
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from rank_bm25 import BM25Okapi
 
-from memory import Record, mem_token_end, prepare_prompt, tool_record
+from memory import Record, extract_mem, mem_token_end, prepare_prompt, tool_record
 
 PROTOCOL_PROMPT = """You are a research agent that answers questions by searching a document collection. \
 You work in rounds. Each round you write, in this order and nothing else:
@@ -364,3 +368,115 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cf
                 t.answer = body if kind == "answer" else None
                 t.done = True
     return trajs
+
+
+# --- MemTrain: the memory agent (ALGORITHM.md section 3)
+#
+# MemAgent-style overwrite memory in MemPO's format, so the skill transfers to the search agent. Step t
+# (one per chunk) sees
+#
+#     system + problem  +  assistant "<mem> o_{t-1} </mem>"  +  user "<information> chunk_t </information>"
+#
+# i.e. exactly the snail-shell prompt of a MemPO round (question + the last round + its tool result), the
+# chunk arriving as a tool result does, and writes (after the forced "<mem>" prefix)
+#
+#     <mem> o_t </mem>                                                 steps before the last
+#     <mem> o_t </mem> <think> answer </think> <answer> x </answer>    the last step (MemPO's answer round)
+#
+# Choices: the forced "<mem>" prefix is on at every step (step 1 too: there is no question to copy, the
+# memory starts from the first chunk); a step that does not close "</mem>" within the budget keeps what
+# it wrote as its memory (truncated to the budget) and the trajectory goes on; o_t is capped at
+# ``mem_tokens`` tokens when it is carried to the next step. An IMR rollout is the same last step with the
+# problem "which entity is [TARGET] ?", memory o_k and the masked chunk l, so the (trained) answer step
+# and the IMR step share one format; IMR rollouts earn reward only and are not training rows.
+
+MEM_STOP, ANSWER_STOP = ("</mem>",), ("</answer>",)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+@dataclass
+class MemAgentConfig:
+    system_prompt: str
+    mem_tokens: int = 64         # memory budget: o_t is cut to this many tokens
+    answer_tokens: int = 16      # extra tokens the last step may write after </mem>
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class MemTrajectory:
+    """One memory-agent rollout over a task's chunks: a Round per step, the memory after each, the answer."""
+    problem: str
+    gold: str
+    group_id: int
+    chunks: list[str]
+    rounds: list[Round] = field(default_factory=list)
+    memories: list[str] = field(default_factory=list)
+    answer: str | None = None
+
+
+def memory_step_context(tokenizer, system_prompt: str, problem: str, memory: str | None, chunk: str) -> list[int]:
+    """Ids of one memory-agent step's prompt: system + problem (+ previous ``<mem>``) + the chunk as a tool result."""
+    records = [Record("prompt", problem)]
+    if memory is not None:
+        records.append(Record("llm_gen", f"<mem> {memory} </mem>"))
+    records.append(tool_record("search_results", f"<information> {chunk} </information>"))
+    return encode_chat(tokenizer, prepare_prompt(records, system_prompt, keep_rounds=1))
+
+
+def written_memory(tokenizer, text: str, mem_tokens: int) -> str:
+    """The ``<mem>`` body a step wrote (what follows ``<mem>`` when it never closed), cut to ``mem_tokens``."""
+    body = extract_mem(text)
+    if body is None:
+        body = text.split("<mem>", 1)[-1].split("</mem>", 1)[0].strip()
+    ids = tokenizer.encode(body, add_special_tokens=False)
+    return tokenizer.decode(ids[:mem_tokens]).strip() if len(ids) > mem_tokens else body
+
+
+def _step_batch(model, tokenizer, contexts: list[list[int]], last: bool, cfg: MemAgentConfig,
+                generator) -> list[tuple[list[int], list[int], str]]:
+    """One batched generation of memory steps -> (prefix ids, output ids, text) per context."""
+    prefix = tokenizer.encode("<mem>", add_special_tokens=False)
+    strings = ANSWER_STOP if last else MEM_STOP
+    close = len(tokenizer.encode(" </mem>", add_special_tokens=False))
+    outs = generate(model, [c + prefix for c in contexts], cfg.mem_tokens + close + (cfg.answer_tokens if last else 0),
+                    pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+                    stops=stop_strings(tokenizer, strings), temperature=cfg.temperature, top_p=cfg.top_p,
+                    generator=generator)
+    return [(prefix, o, cut_at_stop(tokenizer.decode(prefix + o), strings)) for o in outs]
+
+
+def memory_rollout(model, tokenizer, tasks: list, group_size: int, cfg: MemAgentConfig,
+                   generator: torch.Generator | None = None) -> list[MemTrajectory]:
+    """``group_size`` memory-agent rollouts per task (``data.MemTrainTask``), batched across rollouts, step by step."""
+    trajs = [MemTrajectory(task.problem, task.answer, gid, task.chunks)
+             for gid, task in enumerate(tasks) for _ in range(group_size)]
+    for t in range(max(len(x.chunks) for x in trajs)):
+        for last in (False, True):
+            live = [x for x in trajs if t < len(x.chunks) and (t == len(x.chunks) - 1) == last]
+            if not live:
+                continue
+            contexts = [memory_step_context(tokenizer, cfg.system_prompt, x.problem,
+                                            x.memories[-1] if x.memories else None, x.chunks[t]) for x in live]
+            for x, ctx, (pre, out, text) in zip(live, contexts, _step_batch(model, tokenizer, contexts, last, cfg,
+                                                                              generator)):
+                m = ANSWER_RE.search(text)
+                x.rounds.append(Round(ctx, pre, out, text, mem_token_end(tokenizer, pre + out),
+                                      ("answer" if m else None) if last else "mem"))
+                x.memories.append(written_memory(tokenizer, text, cfg.mem_tokens))
+                if last:
+                    x.answer = m.group(1).strip() if m else None
+    return trajs
+
+
+def imr_rollout(model, tokenizer, items: list[tuple[str, str, str]], cfg: MemAgentConfig,
+                generator: torch.Generator | None = None) -> list[str | None]:
+    """IMR answers: each item ``(problem, memory o_k, masked chunk l)`` is one last step -> the ``<answer>`` body."""
+    if not items:
+        return []
+    contexts = [memory_step_context(tokenizer, cfg.system_prompt, p, mem, chunk) for p, mem, chunk in items]
+    out = []
+    for _, _, text in _step_batch(model, tokenizer, contexts, True, cfg, generator):
+        m = ANSWER_RE.search(text)
+        out.append(m.group(1).strip() if m else None)
+    return out

@@ -33,6 +33,11 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
   With more epochs ``old_logp`` is computed once, before the first update.
 * A step whose advantages are all zero (every group tied, no memory signal), or whose loss or
   gradient is not finite, is skipped with the reason in the metrics; the weights are untouched.
+* ``--algo memtrain`` is MemTrain's self-supervised memory pre-training (masked reconstruction + IMR,
+  Dr.GRPO + DAPO filter, every memory step a row; its choices are in the MemTrain section below). Its
+  checkpoint feeds task RL through the existing ``--model RUN/final`` (no separate ``--init-from``):
+  ``--model SFT/final --algo memtrain`` then ``--model MT/final --algo mempo``. This file is past the
+  ~600 lines of STYLE.md; the fixed top-level file list leaves no ``sft.py`` / ``memtrain.py`` to move to.
 * Checkpoints (``save_pretrained`` + optimizer + step + RNG) are written to a temporary folder and
   renamed into place, so a kill leaves either the old or the new one. Data order depends only on
   ``(seed, step)``, so ``--resume`` continues a killed run with the same batches.
@@ -94,7 +99,7 @@ class Config:
     sft_objectives: str = "1-4"
     hops: str = "1-3"
     # RL
-    algo: str = "mempo"        # mempo | grpo
+    algo: str = "mempo"        # mempo | grpo | memtrain
     rl_steps: int = 60
     questions: int = 8         # B questions per step
     group: int = 8             # G rollouts per question
@@ -130,6 +135,12 @@ class Config:
     fsdp: bool = False             # shard parameters, gradients and optimizer state with FSDP2 (default: DDP)
     seed_per_question: bool = False  # sample each question's rollouts from its own seed: any world size, same rollouts
     dist_timeout: int = 1800       # seconds a collective may wait for the slowest rank (its rollout) before failing
+    # MemTrain (--algo memtrain): --questions tasks x --group G1 end-to-end rollouts per step
+    imr_group: int = 2         # G2 IMR rollouts per trajectory (paper 8)
+    imr_lam: float = 0.5       # lambda: weight of the IMR reward (0 = the ablation without IMR)
+    mem_tokens: int = 48       # memory budget of the memory agent, tokens
+    max_chunks: int = 4        # chunks per masked-reconstruction task (8 passages, grouped)
+    memtrain_warmup: int = 0   # SFT steps on scripted memory-agent rounds before MemTrain RL (a tiny model's format)
 
 
 def parse_args(argv=None) -> Config:
@@ -151,7 +162,8 @@ def parse_args(argv=None) -> Config:
         "sft_lr": "SFT learning rate",
         "sft_copy_steps": "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model to copy names)", "forget_p": "fraction of expert episodes with the forgetting flaw",
         "sft_objectives": "objective counts K of SFT questions, e.g. 1-10", "hops": "hops per objective, e.g. 1-3",
-        "algo": "mempo (outcome + memory advantage) | grpo (outcome only)", "rl_steps": "RL steps (0 skips RL)",
+        "algo": "mempo (outcome + memory advantage) | grpo (outcome only) | memtrain (self-supervised memory "
+                "pre-training: masked reconstruction + IMR; start RL from its checkpoint with --model RUN/final)", "rl_steps": "RL steps (0 skips RL)",
         "questions": "questions per RL step", "group": "rollouts per question (G)",
         "rl_objectives": "objective counts K of RL questions", "rl_hops": "hops per objective in RL",
         "lr": "RL learning rate", "train_context": "snail | full: the context RL rollouts see",
@@ -175,6 +187,12 @@ def parse_args(argv=None) -> Config:
         "seed_per_question": "roll out one question at a time, seeded by (seed, step, question): the same rollouts "
                              "with any number of ranks (costs the batching across questions)",
         "dist_timeout": "torchrun only: seconds a collective waits for the other ranks before the run fails",
+        "imr_group": "MemTrain: IMR rollouts per end-to-end trajectory (G2)",
+        "imr_lam": "MemTrain: lambda, weight of the mean IMR reward in R = e2e + lambda * mean(IMR)",
+        "mem_tokens": "MemTrain: memory budget of the memory agent in tokens",
+        "max_chunks": "MemTrain: chunks per masked-reconstruction task (--corpus: that corpus; else embedded worlds)",
+        "memtrain_warmup": "MemTrain: SFT steps (--sft-batch rows, --sft-lr) on scripted memory-agent rounds before "
+                           "the RL steps, so a tiny model writes the step format (0 = none, as in the paper)",
     }
     for name, default in asdict(Config()).items():
         flag = "--" + name.replace("_", "-")
@@ -641,7 +659,10 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
     agent = agent_config(cfg, system_prompt)
     bar = tqdm(range(start, cfg.rl_steps), desc=f"rl/{cfg.algo}", initial=start, total=cfg.rl_steps, disable=DIST.rank > 0)
     for step in bar:
-        m = rl_step(model, ref_model, tokenizer, optimizer, cfg, step, agent, real_tasks, real_tool)
+        if cfg.algo == "memtrain":
+            m = memtrain_step(model, ref_model, tokenizer, optimizer, cfg, step, real_tool)
+        else:
+            m = rl_step(model, ref_model, tokenizer, optimizer, cfg, step, agent, real_tasks, real_tool)
         if model.device.type == "cuda":
             m["peak_cuda_mb"] = torch.cuda.max_memory_allocated(model.device) / 2**20
         if cfg.eval_every and real_tasks is None and (step + 1) % cfg.eval_every == 0:
@@ -651,7 +672,7 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
                                             system_prompt=system_prompt)
                     m["val_f1_k4"] = res[4]["f1"]
         log_jsonl(metrics_path, m)
-        bar.set_postfix(score=f"{m['score']:.3f}", f1=f"{m['f1']:.3f}")
+        bar.set_postfix(score=f"{m['score']:.3f}", f1=f"{m.get('f1', m.get('e2e', 0.0)):.3f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.rl_steps:
             save_checkpoint(ckpt, model, tokenizer, optimizer,
                             {"stage": "rl", "step": step + 1, "precision": cfg.precision}, system_prompt)
@@ -948,6 +969,124 @@ def rollout_share(model, tokenizer, tasks: list, q0: int, cfg: Config, step: int
     return trajs
 
 
+# --- MemTrain: self-supervised memory pre-training (ALGORITHM.md section 3)
+#
+# One step: --questions masked-reconstruction tasks (a fresh embedded world each step, or --corpus),
+# G1 = --group memory-agent rollouts per task, G2 = --imr-group IMR rollouts per trajectory, then
+#
+#     R_i = 1[e2e_i] + lam / G2 * sum_j 1[imr_ij]          (reward.memtrain_reward)
+#     A_i = R_i - mean_group(R)                            (Dr.GRPO: grpo.grouped_advantage(norm_by_std=False))
+#     groups whose R are all equal are dropped             (DAPO: grpo.filter_groups; count logged)
+#
+# and every memory-update step of a kept trajectory is a training row carrying A_i, through the shared
+# ppo_update. Choices: each of the G2 IMR rollouts draws its own (k, l, target), so they probe different
+# memories; IMR rollouts are not training rows (their only job is the reward); KL and lr are the common
+# flags (paper: KL 1e-3, lr 1e-6 on 7B). There is no --init-from: --model RUN/final already loads a
+# checkpoint (tokenizer with [MASK] included) and starts RL from it, so MemPO / GRPO after MemTrain is
+# ``train.py --model MT_RUN/final --algo mempo``; MemTrain after SFT is ``--model SFT_RUN/final --algo memtrain``.
+
+from reward import memtrain_reward, reconstruction_reward                     # noqa: E402
+from grpo import filter_groups                                                 # noqa: E402
+from rollout import MemAgentConfig, imr_rollout, memory_rollout               # noqa: E402
+
+
+def memtrain_tasks(cfg: Config, step: int, real_tool=None) -> tuple[list, frozenset | None]:
+    """The step's masked-reconstruction tasks and entity names (None = the real-text heuristic)."""
+    rng = random.Random(cfg.seed * 5_000_011 + step)
+    if real_tool is not None:
+        return data.masked_reconstruction_tasks(real_tool.docs, cfg.questions, rng.randrange(10**9), cfg.max_chunks,
+                                                bm25=real_tool.bm25), None
+    return (data.world_memtrain_tasks(rng.randrange(10**9), cfg.questions, rng.randrange(10**9), cfg.max_chunks),
+            frozenset(data.name_pool()))
+
+
+def imr_scores(model, tokenizer, trajs, n_imr: int, agent: MemAgentConfig, rng: random.Random, names, gen) -> torch.Tensor:
+    """IMR rewards (N, G2): for each trajectory, G2 draws of (step k, chunk l < k, target), answered from o_k."""
+    items, where = [], []
+    for i, x in enumerate(trajs):
+        for j in range(n_imr):
+            task = data.imr_task(x.chunks, len(x.memories), rng, names)
+            if task is not None:
+                items.append((task.problem, x.memories[task.k], task.chunk, task.target))
+                where.append((i, j))
+    imr = torch.zeros(len(trajs), n_imr)
+    preds = imr_rollout(model, tokenizer, [it[:3] for it in items], agent, gen)
+    for (i, j), it, pred in zip(where, items, preds):
+        imr[i, j] = reconstruction_reward(pred, it[3])
+    return imr
+
+
+def memtrain_warmup_batch(tokenizer, cfg: Config, step: int, real_tool=None) -> list[Sample]:
+    """``cfg.sft_batch`` rows of scripted memory-agent steps (``data.memtrain_expert_rounds``), drawn for this step."""
+    from rollout import memory_step_context
+    rows: list[Sample] = []
+    prefix = tokenizer.encode("<mem>", add_special_tokens=False)
+    while len(rows) < cfg.sft_batch:
+        tasks, _ = memtrain_tasks(cfg, 10**6 + 1000 * step + len(rows), real_tool)
+        for task in tasks:
+            mem = None
+            for chunk, text in zip(task.chunks, data.memtrain_expert_rounds(task, cfg.mem_tokens * 4 // 5)):
+                ctx = memory_step_context(tokenizer, data.SYSTEM_PROMPT, task.problem, mem, chunk) + prefix
+                rows.append(Sample(ctx + tokenizer.encode(text[len("<mem>"):], add_special_tokens=False), len(ctx)))
+                mem = text.split("<mem>", 1)[1].split("</mem>", 1)[0].strip()
+    return rows[: cfg.sft_batch]
+
+
+def run_memtrain_warmup(model, tokenizer, cfg: Config, metrics_path: str, real_tool=None) -> None:
+    """``cfg.memtrain_warmup`` SFT steps on scripted memory-agent rounds (constant lr ``cfg.sft_lr``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    model.train()
+    for step in range(cfg.memtrain_warmup):
+        t0 = time.time()
+        samples = memtrain_warmup_batch(tokenizer, cfg, step, real_tool)
+        n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
+        opt.zero_grad(set_to_none=True)
+        loss = 0.0
+        for mb in micro_batches(samples, cfg.micro_tokens):
+            part = sft_loss(model, collate(mb, tokenizer.pad_token_id, model.device), n_tokens)
+            part.backward()
+            loss += part.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        if step % 50 == 0 or step == cfg.memtrain_warmup - 1:
+            log_jsonl(metrics_path, {"stage": "memtrain_warmup", "step": step, "loss": loss, "sec": time.time() - t0})
+
+
+def memtrain_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, real_tool=None) -> dict:
+    """One MemTrain step: memory rollouts -> e2e + IMR rewards -> Dr.GRPO + DAPO filter -> PPO update."""
+    m: dict = {"stage": "memtrain", "step": step}
+    tasks, names = memtrain_tasks(cfg, step, real_tool)
+    agent = MemAgentConfig(data.SYSTEM_PROMPT, mem_tokens=cfg.mem_tokens, temperature=cfg.temperature)
+    gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step)
+    t0 = time.time()
+    model.eval()
+    trajs = memory_rollout(model, tokenizer, tasks, cfg.group, agent, gen)
+    e2e = torch.tensor([reconstruction_reward(x.answer, x.gold) for x in trajs])
+    imr = imr_scores(model, tokenizer, trajs, cfg.imr_group, agent, random.Random(cfg.seed * 6_000_007 + step),
+                     names, gen)
+    m["sec_rollout"] = time.time() - t0
+    scores = memtrain_reward(e2e, imr, cfg.imr_lam)                          # (N,)
+    gids = torch.tensor([x.group_id for x in trajs])
+    keep = filter_groups(scores, gids)                                        # (N,) bool
+    adv = grouped_advantage(scores, gids, norm_by_std=False)                  # (N,)
+    n_groups = len(tasks)
+    m.update(score=scores.mean().item(), e2e=e2e.mean().item(), imr=imr.mean().item(),
+             answered=sum(x.answer is not None for x in trajs) / len(trajs),
+             mem_closed=sum(r.mem_end > 0 for x in trajs for r in x.rounds) / sum(len(x.rounds) for x in trajs),
+             kept_groups=len(set(gids[keep].tolist())), dropped_groups=n_groups - len(set(gids[keep].tolist())))
+    samples = [Sample(r.context_ids + r.round_ids, len(r.context_ids) + len(r.prefix_ids), r.mem_end,
+                      len(r.prefix_ids), float(adv[i]))
+               for i, x in enumerate(trajs) if keep[i] for r in x.rounds if r.output_ids]
+    t0 = time.time()
+    if not samples or all(s.adv_t == 0 for s in samples):
+        m["skipped"] = "every group dropped by the DAPO filter"
+        m["sec_update"] = time.time() - t0
+        return m
+    m.update(ppo_update(model, ref_model, optimizer, samples, cfg, tokenizer.pad_token_id))
+    m["sec_update"] = time.time() - t0
+    return m
+
+
 # --------------------------------------------------------------------------- main
 
 def main(argv=None) -> None:
@@ -966,6 +1105,8 @@ def main(argv=None) -> None:
         real_tasks, real_tool = data.load_qa(cfg.data), SearchTool(data.load_corpus(cfg.corpus))
         if cfg.compose:
             real_tasks = data.compose_tasks(real_tasks, cfg.compose, cfg.seed)
+    elif cfg.algo == "memtrain" and cfg.corpus:
+        real_tool = SearchTool(data.load_corpus(cfg.corpus))         # unlabeled text: its BM25 index is reused
     if cfg.sft_data:
         trajectories = data.load_trajectories(cfg.sft_data)
     from transformers import AutoTokenizer
@@ -991,6 +1132,8 @@ def main(argv=None) -> None:
             prompt = f.read().strip()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if cfg.algo == "memtrain":
+        data.add_words(tokenizer, model, data.MEMTRAIN_WORDS)        # [MASK], [TARGET], ... (no-op for BPE)
     model = wrap_for_training(model, device)       # torchrun: DDP or FSDP2; plain: unchanged
     if DIST.rank == 0:
         with open(os.path.join(cfg.run, "config.json"), "w") as f:
@@ -1007,6 +1150,8 @@ def main(argv=None) -> None:
     if trainer is not None and state["stage"] == "rl":
         load_optimizer(model, opt, trainer["optimizer"])
         torch.set_rng_state(trainer["torch_rng"])
+    if cfg.algo == "memtrain" and cfg.memtrain_warmup > 0 and state["step"] == 0:
+        run_memtrain_warmup(model, tokenizer, cfg, metrics_path, real_tool)
     if cfg.rl_steps > 0:
         run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, real_tasks, real_tool, prompt)
     model_sd, _ = full_state(model, None)
