@@ -30,6 +30,7 @@ reachable by id (the original shows only the 5 newest); see that section's notes
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -281,3 +282,17 @@ class StructuredMemory:
 
 def _bm25_tokens(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
+
+
+# Qwen2.5's function-calling convention: each call is one JSON object between these tags.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_ARGS = {   # tool -> (required arguments, optional arguments); every argument is a string
+    "new_memory_insert": (("memory_type", "content"), ()),
+    "memory_update": (("memory_type", "new_content"), ("memory_id",)),
+    "memory_delete": (("memory_type", "memory_id"), ()),
+}
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """One call as the model writes it: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+    return TOOL_CALL_OPEN + json.dumps({"name": name, "arguments": arguments}) + TOOL_CALL_CLOSE
