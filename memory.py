@@ -296,3 +296,16 @@ TOOL_ARGS = {   # tool -> (required arguments, optional arguments); every argume
 def tool_call_text(name: str, arguments: dict) -> str:
     """One call as the model writes it: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
     return TOOL_CALL_OPEN + json.dumps({"name": name, "arguments": arguments}) + TOOL_CALL_CLOSE
+
+
+ANSWER_SYSTEM = "answer the question from memory . reply with the answer only"
+
+
+def answerer_messages(memory: StructuredMemory, question: str, k: int) -> list[dict]:
+    """What r1's frozen answerer sees: core in full + BM25 top-``k`` of each store for ``question``."""
+    hits = memory.retrieve_each(question, k)
+    lines = [f"core: {memory.core or '(empty)'}"]
+    for t in LIST_TYPES:
+        lines += [f"{t}: {text}" for _, text in hits[t]]
+    return [{"role": "system", "content": ANSWER_SYSTEM},
+            {"role": "user", "content": "\n".join(lines) + f"\nquestion: {question}"}]

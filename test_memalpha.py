@@ -226,3 +226,70 @@ def test_execute_in_order_against_memory():
         tool_call_text("memory_delete", {"memory_type": "semantic", "memory_id": sid}) +
         tool_call_text("memory_delete", {"memory_type": "semantic", "memory_id": sid})))
     assert [ok for ok, _ in res] == [True, True, False] and mem.stores["semantic"] == {}
+
+
+# --------------------------------------------------------------------------- rewards
+
+import torch  # noqa: E402
+
+import data  # noqa: E402
+from reward import (content_valid, em_score, memalpha_reward, r1_accuracy, r2_call_success,  # noqa: E402
+                    r3_compression, r4_validity)
+
+
+def test_r2_r3_hand_computed():
+    assert r2_call_success([]) == 0.0
+    assert r2_call_success([(True, ""), (False, "e"), (True, ""), (True, "")]) == 0.75
+    assert r3_compression(30, 120) == 0.75
+    assert r3_compression(150, 100) == pytest.approx(-0.5)        # a memory larger than its input
+    assert r3_compression(5, 0) == 0.0
+
+
+def test_r4_rules():
+    assert content_valid("core", "the world has 24 people and their bosses")
+    for bad in ["", "none", "N/A", "(empty)", "Summary.", "two words"]:
+        assert not content_valid("core", bad), bad
+    assert content_valid("semantic", "kalo boss mira")
+    assert not content_valid("semantic", "on day 3 kalo met mira")      # an event, not a fact
+    assert not content_valid("semantic", "kalo")
+    assert content_valid("episodic", "on day 3 kalo met mira")
+    assert content_valid("episodic", "2024-05-01 kalo moved to tebo")
+    assert not content_valid("episodic", "kalo met mira")                # no time
+    calls = parse_tool_calls(
+        tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "kalo boss mira"}) +          # valid
+        tool_call_text("new_memory_insert", {"memory_type": "episodic", "content": "kalo met mira"}) +           # no time
+        tool_call_text("memory_update", {"memory_type": "core", "new_content": "none"}) +                     # placeholder
+        tool_call_text("memory_update", {"memory_type": "episodic", "new_content": "on day 2 a met b",
+                                         "memory_id": "nope"}) +                                                # valid text
+        tool_call_text("memory_delete", {"memory_type": "semantic", "memory_id": "ab"}) +                      # not judged
+        "<tool_call>{bad json</tool_call>")                                                                     # not judged
+    assert r4_validity(calls) == 0.5
+    assert r4_validity(calls[4:]) == 0.0
+
+
+def test_memalpha_reward_weights():
+    assert memalpha_reward(0.5, 1.0, 0.8, 0.5) == pytest.approx(0.5 + 1.0 + 0.04 + 0.05)
+    assert memalpha_reward(1.0, 0.0, 0.2, 1.0, beta=0.0, gamma=0.0) == 1.0
+    t = memalpha_reward(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.5]), 0.5, torch.tensor([1.0, 0.0]))
+    assert torch.allclose(t, torch.tensor([1.125, 1.525]))
+
+
+def test_r1_batched_equals_naive_per_question():
+    from memory import answerer_messages
+    from rollout import encode_chat
+    tok = data.build_bpe_tokenizer(vocab_size=300)
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
+    mems = [StructuredMemory(seed=0), StructuredMemory(seed=1)]
+    mems[0].insert("semantic", "kalo boss mira")
+    mems[1].update("core", "a core about lapu")
+    qs = [["kalo boss ?", "lapu friend ?"], ["zena mother ?"]]
+    naive = []
+    for m, q in [(mems[0], qs[0][0]), (mems[0], qs[0][1]), (mems[1], qs[1][0])]:
+        ids = torch.tensor([encode_chat(tok, answerer_messages(m, q, 3))])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        naive.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    # gold = the naive prediction for question 1 of memory 0 and memory 1's question, never for question 2
+    golds = [[(qs[0][0], [naive[0]]), (qs[0][1], ["zzz qqq"])], [(qs[1][0], [naive[2]])]]
+    assert r1_accuracy(model, tok, mems, golds, k=3, max_new_tokens=6) == [0.5, 1.0]
+    assert em_score(naive[1], ["zzz qqq"]) == 0.0
