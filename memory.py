@@ -153,7 +153,7 @@ class StructuredMemory:
     """Core paragraph + semantic and episodic ``{id: text}`` stores, edited by tool calls."""
 
     def __init__(self, core_limit: int = 512, count_tokens=word_count, seed: int = 0,
-                 n_recent: int = 3, n_relevant: int = 3):
+                 n_recent: int = 3, n_relevant: int = 6):
         self.core_limit, self.count_tokens = core_limit, count_tokens
         self.n_recent, self.n_relevant = n_recent, n_relevant
         self.rng = _random.Random(seed)

@@ -293,3 +293,104 @@ def test_r1_batched_equals_naive_per_question():
     golds = [[(qs[0][0], [naive[0]]), (qs[0][1], ["zzz qqq"])], [(qs[1][0], [naive[2]])]]
     assert r1_accuracy(model, tok, mems, golds, k=3, max_new_tokens=6) == [0.5, 1.0]
     assert em_score(naive[1], ["zzz qqq"]) == 0.0
+
+
+# --------------------------------------------------------------------------- the memorisation task
+
+import re  # noqa: E402
+
+from memory import answerer_messages  # noqa: E402
+
+
+def test_instances_deterministic_dated_and_with_change_questions():
+    a = data.make_memalpha_instances(3, 20, seed=1)
+    b = data.make_memalpha_instances(3, 20, seed=1)
+    assert [c.text for i in a for c in i.chunks] == [c.text for i in b for c in i.chunks]
+    assert [i.questions for i in a] == [i.questions for i in b]
+    for inst in a:
+        days = [c.day for c in inst.chunks]
+        assert days == sorted(days) and len(set(days)) == len(days)
+        assert all(c.text.startswith(f"day {c.day} : ") for c in inst.chunks)
+        changed = [(r[1], r[2]) for c in inst.chunks for r in c.reports if r[0] in ("change", "end")]
+        if changed:
+            q, gold = inst.questions[0]
+            assert tuple(q.split()[:2]) in changed
+            last = [r for c in inst.chunks for r in c.reports if r[1:3] == tuple(q.split()[:2])][-1]
+            assert gold == [last[3] if last[0] == "change" else "none"]     # the LATEST value
+        assert any(q.startswith("when ") for q, _ in inst.questions)
+
+
+def test_hand_made_chunk_and_writer_calls():
+    chunk = data.Chunk("day 4 : kalo boss mira .", 4, [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")])
+    mem = StructuredMemory(seed=0)
+    text = data.writer_calls(mem, chunk)
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.error) for c in calls] == [("new_memory_insert", None)] * 2 + [("memory_update", None)]
+    assert list(mem.stores["semantic"].values()) == ["kalo boss mira"]
+    assert list(mem.stores["episodic"].values()) == ["on day 4 kalo met tebo"]
+    assert mem.core == "latest report day 4"
+    sid = list(mem.stores["semantic"])[0]
+    change = data.Chunk("day 6 : kalo boss is now puni . lapu boss ended .", 6,
+                        [("change", "kalo", "boss", "puni"), ("end", "lapu", "boss", "")])
+    replay = StructuredMemory(seed=0)
+    assert [ok for ok, _ in execute_tool_calls(replay, parse_tool_calls(text))] == [True, True, True]
+    text2 = data.writer_calls(mem, change)
+    assert f'"memory_id": "{sid}"' in text2 and mem.stores["semantic"] == {sid: "kalo boss puni"}
+    assert data.writer_calls(StructuredMemory(), change, flawed=True).count("<tool_call>") == 1   # core only
+    # replaying the writer's text through the parser reproduces its memory exactly
+    execute_tool_calls(replay, parse_tool_calls(text2))
+    assert replay.stores == mem.stores and replay.core == "latest report day 6"
+
+
+def _final_memory(inst, flawed):
+    mem = StructuredMemory(seed=0)
+    for c in inst.chunks:
+        view = mem.render(c.text)
+        out = data.writer_calls(mem, c, flawed)
+        for i in re.findall(r'"memory_id": "(\w+)"', out):
+            assert f"[{i}]" in view                           # every id the writer uses is in its prompt
+    return mem
+
+
+def test_perfect_writer_answers_everything_and_the_flaw_fails_changes():
+    insts = data.make_memalpha_instances(5, 60, seed=0)
+    right = {False: 0, True: 0}
+    n_change = 0
+    for inst in insts:
+        for flawed in (False, True):
+            mem = _final_memory(inst, flawed)
+            for q, gold in inst.questions:
+                view = answerer_messages(mem, q, 3)[1]["content"]
+                right[flawed] += data.memory_answer(view, q) == gold[0]
+        n_change += any(r[0] in ("change", "end") for c in inst.chunks for r in c.reports)
+    n_q = sum(len(i.questions) for i in insts)
+    assert right[False] == n_q
+    assert n_q - right[True] >= n_change > 10        # the flawed writer misses at least each change question
+
+
+def test_memory_answer_reads_only_the_memory():
+    view = "core: x y z\nsemantic: kalo boss mira\nepisodic: on day 3 kalo met tebo\nquestion: lapu boss ?"
+    assert data.memory_answer(view, "kalo boss ?") == "mira"
+    assert data.memory_answer(view, "lapu boss ?") == "none"            # not the question line's "?"
+    assert data.memory_answer(view, "when kalo met tebo ?") == "day 3"
+    assert data.memory_answer(view, "when kalo met lapu ?") == "unknown"
+
+
+def test_load_memalpha_and_errors(tmp_path):
+    good = tmp_path / "m.jsonl"
+    good.write_text(json.dumps({"chunks": ["a b", "c d"], "questions_and_answers": [
+        {"question": "q1", "answer": "x"}, {"question": "q2", "answer": ["y", "z"]}]}) + "\n\n")
+    inst = data.load_memalpha(str(good))
+    assert [c.text for c in inst[0].chunks] == ["a b", "c d"]
+    assert inst[0].questions == [("q1", ["x"]), ("q2", ["y", "z"])]
+    bad = tmp_path / "bad.jsonl"
+    cases = [("{not json", "bad.jsonl:2: not valid JSON"),
+             (json.dumps({"chunks": [], "questions_and_answers": [{"question": "q", "answer": "a"}]}), ":2: 'chunks'"),
+             (json.dumps({"chunks": ["a"], "questions_and_answers": [{"question": "q"}]}), ":2: questions_and_answers[0]"),
+             (json.dumps({"chunks": ["a"]}), ":2: 'questions_and_answers'")]
+    for line, msg in cases:
+        bad.write_text(good.read_text().splitlines()[0] + "\n" + line + "\n")
+        with pytest.raises(data.DataError, match=re.escape(msg)):
+            data.load_memalpha(str(bad))
+    with pytest.raises(data.DataError, match="file not found"):
+        data.load_memalpha(str(tmp_path / "missing.jsonl"))
