@@ -309,3 +309,12 @@ def answerer_messages(memory: StructuredMemory, question: str, k: int) -> list[d
         lines += [f"{t}: {text}" for _, text in hits[t]]
     return [{"role": "system", "content": ANSWER_SYSTEM},
             {"role": "user", "content": "\n".join(lines) + f"\nquestion: {question}"}]
+
+
+WRITER_SYSTEM = "read the chunk . keep what later questions need with tool calls . memory now :"
+
+
+def writer_messages(memory: StructuredMemory, chunk: str) -> list[dict]:
+    """What the writer sees for one chunk (a fresh context): its instructions + rendered memory, then the chunk."""
+    return [{"role": "system", "content": WRITER_SYSTEM + "\n" + memory.render(chunk)},
+            {"role": "user", "content": chunk}]

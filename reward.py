@@ -387,3 +387,19 @@ def r1_accuracy(model, tokenizer, memories: list, questions: list[list[tuple[str
     for (i, _, golds), p in zip(pairs, preds):
         hits[i].append(em_score(p, golds))
     return [sum(h) / len(h) if h else 0.0 for h in hits]
+
+
+def memalpha_rewards(answerer, tokenizer, rollouts: list, instances: list, k: int = 3, beta: float = 0.05,
+                     gamma: float = 0.1, max_new_tokens: int = 16) -> dict:
+    """Every component for ``rollout.MemRollout`` s: r1 / r3 per rollout, r2 / r4 / reward per chunk step."""
+    r1 = r1_accuracy(answerer, tokenizer, [r.memory for r in rollouts],
+                     [instances[r.group_id].questions for r in rollouts], k, max_new_tokens)
+    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
+    chunk_tokens = [sum(count(c.text) for c in inst.chunks) for inst in instances]
+    mem_tokens = [r.memory.n_tokens() for r in rollouts]
+    r3 = [r3_compression(m, chunk_tokens[r.group_id]) for m, r in zip(mem_tokens, rollouts)]
+    r2 = [[r2_call_success(s.results) for s in r.steps] for r in rollouts]
+    r4 = [[r4_validity(s.calls) for s in r.steps] for r in rollouts]
+    reward = [[memalpha_reward(r1[i], a, r3[i], b, beta, gamma) for a, b in zip(r2[i], r4[i])]
+              for i in range(len(rollouts))]
+    return {"r1": r1, "r2": r2, "r3": r3, "r4": r4, "reward": reward, "mem_tokens": mem_tokens}

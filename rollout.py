@@ -421,3 +421,52 @@ def execute_tool_calls(memory, calls: list[ToolCall]) -> list[tuple[bool, str]]:
         else:
             out.append(memory.delete(c.arguments["memory_type"], c.arguments["memory_id"]))
     return out
+
+
+@dataclass
+class ChunkStep:
+    """One chunk of one rollout: the context the writer saw, what it sampled, its calls and their results."""
+    context_ids: list[int]
+    output_ids: list[int]
+    text: str
+    calls: list[ToolCall]
+    results: list[tuple[bool, str]]
+
+
+@dataclass
+class MemRollout:
+    """One rollout of one Mem-alpha instance: its memory after the last chunk and every chunk step."""
+    group_id: int                      # the instance's index: all G rollouts of it form one group
+    memory: object                     # memory.StructuredMemory
+    steps: list[ChunkStep] = field(default_factory=list)
+
+
+@dataclass
+class WriterConfig:
+    core_limit: int = 512
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    id_seed: int = 0                   # every memory draws ids from this seed (the SFT writer's too)
+
+
+def memalpha_rollout(model, tokenizer, instances: list, group_size: int, cfg: WriterConfig,
+                     generator: torch.Generator | None = None) -> list[MemRollout]:
+    """Feed every instance's chunks, in order, to ``group_size`` rollouts each; chunk c of every live
+    rollout of every instance is ONE batched ``generate`` call. Returns rollouts in instance order."""
+    from memory import StructuredMemory, writer_messages
+    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
+    outs = [MemRollout(i, StructuredMemory(cfg.core_limit, count, seed=cfg.id_seed))
+            for i in range(len(instances)) for _ in range(group_size)]
+    for c in range(max(len(inst.chunks) for inst in instances)):
+        live = [r for r in outs if c < len(instances[r.group_id].chunks)]
+        contexts = [encode_chat(tokenizer, writer_messages(r.memory, instances[r.group_id].chunks[c].text))
+                    for r in live]                                        # fresh context per chunk
+        gens = generate(model, contexts, cfg.max_new_tokens, pad_id=tokenizer.pad_token_id,
+                        eos_id=tokenizer.eos_token_id, temperature=cfg.temperature, top_p=cfg.top_p,
+                        generator=generator)
+        for r, ctx, out in zip(live, contexts, gens):
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            calls = parse_tool_calls(text)
+            r.steps.append(ChunkStep(ctx, out, text, calls, execute_tool_calls(r.memory, calls)))
+    return outs

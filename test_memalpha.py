@@ -394,3 +394,37 @@ def test_load_memalpha_and_errors(tmp_path):
             data.load_memalpha(str(bad))
     with pytest.raises(data.DataError, match="file not found"):
         data.load_memalpha(str(tmp_path / "missing.jsonl"))
+
+
+# --------------------------------------------------------------------------- the chunked loop
+
+from rollout import WriterConfig, encode_chat, memalpha_rollout  # noqa: E402
+
+_TOK = {}
+
+
+def bpe():
+    if "tok" not in _TOK:
+        _TOK["tok"] = data.build_bpe_tokenizer(data.world_texts(n_worlds=1) + data.memalpha_texts(n=20), 500)
+    return _TOK["tok"]
+
+
+def test_loop_batched_equals_each_instance_alone_and_contexts_are_fresh():
+    tok = bpe()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
+    insts = data.make_memalpha_instances(3, 2, n_chunks=3) + data.make_memalpha_instances(4, 1, n_chunks=2)
+    cfg = WriterConfig(max_new_tokens=12, temperature=0.0)
+    both = memalpha_rollout(model, tok, insts, 2, cfg)
+    assert [r.group_id for r in both] == [0, 0, 1, 1, 2, 2]
+    assert [len(r.steps) for r in both] == [3, 3, 3, 3, 2, 2]
+    for i, inst in enumerate(insts):
+        alone = memalpha_rollout(model, tok, [inst], 1, cfg)[0]
+        assert [s.output_ids for s in alone.steps] == [s.output_ids for s in both[2 * i].steps]
+    from memory import StructuredMemory, writer_messages
+    for r in both:
+        for c, s in enumerate(r.steps):
+            ctx = tok.decode(s.context_ids)
+            assert insts[r.group_id].chunks[c].text in ctx                           # this chunk
+            assert all(ch.text not in ctx for j, ch in enumerate(insts[r.group_id].chunks) if j != c)   # no other
+        assert r.steps[0].context_ids == encode_chat(tok, writer_messages(StructuredMemory(),
+                                                                           insts[r.group_id].chunks[0].text))
