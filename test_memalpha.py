@@ -428,3 +428,44 @@ def test_loop_batched_equals_each_instance_alone_and_contexts_are_fresh():
             assert all(ch.text not in ctx for j, ch in enumerate(insts[r.group_id].chunks) if j != c)   # no other
         assert r.steps[0].context_ids == encode_chat(tok, writer_messages(StructuredMemory(),
                                                                            insts[r.group_id].chunks[0].text))
+
+
+# --------------------------------------------------------------------------- training
+
+import copy  # noqa: E402
+
+import train  # noqa: E402
+
+
+def test_one_memalpha_step_changes_weights():
+    tok = bpe()
+    cfg = train.MemAlphaConfig(chunks=2, questions_per_instance=2, instances=1, group=4, max_new_tokens=192)
+    inst = train.memalpha_instances(cfg, 11, 1, 0)
+    rows = train.memalpha_expert_samples(tok, inst[0])[:2]          # the writer's two chunk rows
+    assert tok.decode(rows[0].ids[rows[0].n_prompt:], skip_special_tokens=True).startswith("<tool_call>{")
+    torch.manual_seed(0)
+    model = data.build_tiny_model(tok, hidden=64, layers=2, heads=4, ffn=128, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    n = float(sum(len(r.ids) - r.n_prompt for r in rows))
+    for _ in range(150):                                             # overfit the writer so it makes calls
+        opt.zero_grad()
+        train.sft_loss(model, train.collate(rows, tok.pad_token_id, "cpu"), n).backward()
+        opt.step()
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    m = train.memalpha_step(model, copy.deepcopy(model).eval(), tok, opt, cfg, 0, instances=inst)
+    assert "skipped" not in m and m["calls"] > 0 and 0 < m["r2"] < 1
+    assert m["reward"] == pytest.approx(m["r1"] + m["r2"] + 0.05 * m["r3"] + 0.1 * m["r4"])
+    assert max((model.state_dict()[k] - before[k]).abs().max().item() for k in before) > 0
+
+
+def test_equal_rewards_give_no_update():
+    tok = bpe()
+    cfg = train.MemAlphaConfig(chunks=2, questions_per_instance=2, instances=1, group=2, max_new_tokens=8)
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)   # never writes a call
+    before = copy.deepcopy(model.state_dict())
+    m = train.memalpha_step(model, model, tok, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg, 0,
+                            instances=train.memalpha_instances(cfg, 11, 1, 0))
+    assert m["skipped"] == "all advantages are zero" and m["reward"] == pytest.approx(0.05)
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
