@@ -576,3 +576,20 @@ def load_memalpha(path: str) -> list[MemInstance]:
     if not out:
         raise DataError(f"{path}: no instances")
     return out
+
+
+def chunks_answer(chunks: list[str], question: str) -> str:
+    """The answer the raw ``chunks`` support (the baselines' teacher): the newest report of the fact
+    (``none`` after ``ended`` or when unreported), or the day of the chunk that reports the event."""
+    words = question.replace("?", " ").split()
+    answer = UNKNOWN if words and words[0] == "when" else NONE_ANSWER
+    for chunk in chunks:
+        head, _, body = chunk.partition(":")
+        for line in body.split("."):
+            w = line.split()
+            if words and words[0] == "when":
+                if w == words[1:]:
+                    answer = head.strip()
+            elif w[:2] == words[:2] and len(w) >= 3:
+                answer = NONE_ANSWER if w[2] == "ended" else w[-1]
+    return answer

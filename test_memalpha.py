@@ -469,3 +469,41 @@ def test_equal_rewards_give_no_update():
                             instances=train.memalpha_instances(cfg, 11, 1, 0))
     assert m["skipped"] == "all advantages are zero" and m["reward"] == pytest.approx(0.05)
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
+
+
+# --------------------------------------------------------------------------- evaluation and baselines
+
+import eval as ev  # noqa: E402
+
+
+def test_baseline_windows_and_raw_chunk_teacher():
+    chunks = ["day 1 : kalo boss mira . lapu met tebo .", "day 3 : zena friend puni .",
+              "day 4 : kalo boss is now tebo .", "day 6 : zena friend ended ."]
+    words = lambda s: len(s.split())
+    assert ev.long_context_chunks(chunks, words, 16) == chunks[2:]      # 7 + 9 words fit
+    assert ev.long_context_chunks(chunks, words, 15) == chunks[3:]      # the 9-word chunk does not
+    assert ev.long_context_chunks(chunks, words, 6) == []
+    assert ev.rag_chunks(chunks, "kalo boss ?", 2) == [chunks[0], chunks[2]]
+    assert data.chunks_answer(chunks, "kalo boss ?") == "tebo"
+    assert data.chunks_answer(chunks[:2], "kalo boss ?") == "mira"
+    assert data.chunks_answer(chunks, "zena friend ?") == "none"
+    assert data.chunks_answer(chunks[2:], "lapu met tebo ?") == "none"
+    assert data.chunks_answer(chunks, "when lapu met tebo ?") == "day 1"
+    assert data.chunks_answer(chunks[1:], "when lapu met tebo ?") == "unknown"
+    # the teacher agrees with the gold on the whole stream
+    for inst in data.make_memalpha_instances(6, 40):
+        for q, g in inst.questions:
+            assert data.chunks_answer([c.text for c in inst.chunks], q) == g[0]
+
+
+def test_evaluate_memalpha_runs_all_three_methods():
+    tok = bpe()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
+    insts = data.make_memalpha_instances(20_000, 2, n_chunks=2)
+    res = ev.evaluate_memalpha(model, model, tok, insts, max_new_tokens=8)
+    assert set(res) == {"memalpha", "long_context", "rag_top2"}
+    n_q = sum(len(i.questions) for i in insts)
+    assert all(r["questions"] == n_q for r in res.values())
+    count = lambda s: len(tok.encode(s))
+    assert res["rag_top2"]["memory_tokens"] == sum(count(c.text) for i in insts for c in i.chunks) / 2
+    assert res["memalpha"]["memory_tokens"] == 0 and res["memalpha"]["tool_success"] == 0.0   # never calls

@@ -604,6 +604,7 @@ class MemAlphaConfig:
     max_new_tokens: int = 192
     temperature: float = 1.0
     top_k_memory: int = 3
+    context_tokens: int = 64     # the long-context baseline's window (answerer rows over raw chunks in SFT)
     beta: float = 0.05
     gamma: float = 0.1
     clip_low: float = 0.2
@@ -628,6 +629,7 @@ MEMALPHA_HELP = {
     "rl_steps": "GRPO steps (0 skips)", "instances": "instances per GRPO step", "group": "rollouts per instance (G)",
     "lr": "GRPO learning rate", "max_new_tokens": "max tokens the writer generates per chunk",
     "temperature": "sampling temperature of the writer", "top_k_memory": "BM25 top-k of each store for r1",
+    "context_tokens": "long-context baseline's chunk-token window (its SFT answerer rows use it)",
     "beta": "weight of r3 (compression)", "gamma": "weight of r4 (content validity)",
     "clip_low": "PPO clip below 1", "clip_high": "PPO clip above 1", "dual_clip": "dual clip (0 = off)",
     "kl_coef": "k3 KL to the cold-started policy (0 = none, the paper)", "agg": "loss aggregation",
@@ -654,8 +656,10 @@ def memalpha_instances(cfg: MemAlphaConfig, world_seed: int, n: int, seed: int, 
                                         n_questions=cfg.questions_per_instance, flaw_p=flaw_p)
 
 
-def memalpha_expert_samples(tokenizer, inst: data.MemInstance, k: int = 3, core_limit: int = 512) -> list[Sample]:
-    """The scripted writer's rows (one per chunk) and the answerer's rows (one per question) of one instance."""
+def memalpha_expert_samples(tokenizer, inst: data.MemInstance, k: int = 3, core_limit: int = 512,
+                            context_tokens: int = 64) -> list[Sample]:
+    """The scripted writer's rows (one per chunk), then the answerer's rows: one per question from the
+    writer's final memory, one per question from raw chunks (``memalpha_raw_rows``)."""
     from memory import StructuredMemory, answerer_messages, writer_messages
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
     mem = StructuredMemory(core_limit, lambda s: len(enc(s)), seed=0)     # ids as the loop draws them
@@ -667,6 +671,21 @@ def memalpha_expert_samples(tokenizer, inst: data.MemInstance, k: int = 3, core_
         msgs = answerer_messages(mem, q, k)
         ctx = encode_chat(tokenizer, msgs)
         rows.append(Sample(ctx + enc(data.memory_answer(msgs[1]["content"], q)) + [tokenizer.eos_token_id], len(ctx)))
+    return rows + memalpha_raw_rows(tokenizer, inst, context_tokens)
+
+
+def memalpha_raw_rows(tokenizer, inst: data.MemInstance, context_tokens: int = 64) -> list[Sample]:
+    """Answerer rows over RAW chunks (the baselines' contexts), so one answerer serves memory and baselines:
+    question i sees the long-context window when i is even, the BM25 top-2 chunks when odd."""
+    from eval import chunks_messages, long_context_chunks, rag_chunks
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
+    texts = [c.text for c in inst.chunks]
+    window = long_context_chunks(texts, lambda s: len(enc(s)), context_tokens)
+    rows = []
+    for i, (q, _) in enumerate(inst.questions):
+        seen = window if i % 2 == 0 else rag_chunks(texts, q, 2)
+        ctx = encode_chat(tokenizer, chunks_messages(seen, q))
+        rows.append(Sample(ctx + enc(data.chunks_answer(seen, q)) + [tokenizer.eos_token_id], len(ctx)))
     return rows
 
 
@@ -674,7 +693,8 @@ def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample
     """``cfg.sft_batch`` rows from instances of a world drawn for this step only."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9), cfg.flaw_p)
-    rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory)]
+    rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory,
+                                                                 context_tokens=cfg.context_tokens)]
     return rng.sample(rows, cfg.sft_batch)
 
 
