@@ -750,6 +750,7 @@ def run_memalpha(cfg: MemAlphaConfig) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
     model.train()
+    t_start = time.time()
     for step in tqdm(range(cfg.sft_steps), desc="memalpha sft"):
         for g in opt.param_groups:
             g["lr"] = cfg.sft_lr * sched(step)
@@ -764,7 +765,8 @@ def run_memalpha(cfg: MemAlphaConfig) -> None:
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         if step % 50 == 0 or step == cfg.sft_steps - 1:
-            log_jsonl(metrics_path, {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn.item()})
+            log_jsonl(metrics_path, {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn.item(),
+                                     "sec_total": time.time() - t_start})
     model.save_pretrained(os.path.join(cfg.run, "sft"))
     tokenizer.save_pretrained(os.path.join(cfg.run, "sft"))
     answerer = (load_model(cfg.answerer, device) if cfg.answerer else copy.deepcopy(model)).eval().requires_grad_(False)
