@@ -416,6 +416,10 @@ def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, 
             views["rag_top2"].append(chunks_messages(rag_chunks(texts, q, 2), q))
             golds.append(g)
     calls = [res for r in rolls for s in r.steps for res in s.results]
+    # inserts whose every word comes from the chunk or is "on" / "day" / its number: copied, not invented
+    inserts = [(c.arguments["content"], inst.chunks[j].text) for r, inst in zip(rolls, instances)
+               for j, s in enumerate(r.steps) for c in s.calls if c.error is None and c.name == "new_memory_insert"]
+    copied = [set(x.split()) <= set(t.split()) | {"on", "day"} for x, t in inserts]
     out = {}
     for method, msgs in views.items():
         preds = answer_contexts(answerer, tokenizer, msgs)
@@ -423,6 +427,7 @@ def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, 
                        "memory_tokens": sum(kept[method]) / len(kept[method]), "questions": len(golds)}
     out["memalpha"].update(tool_success=sum(ok for ok, _ in calls) / len(calls) if calls else 0.0,
                            calls_per_chunk=len(calls) / sum(len(r.steps) for r in rolls),
+                           inserts_copied=sum(copied) / len(copied) if copied else 0.0,
                            validity=sum(r4_validity(s.calls) for r in rolls for s in r.steps) /
                            sum(len(r.steps) for r in rolls))
     return out

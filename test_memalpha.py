@@ -507,3 +507,18 @@ def test_evaluate_memalpha_runs_all_three_methods():
     count = lambda s: len(tok.encode(s))
     assert res["rag_top2"]["memory_tokens"] == sum(count(c.text) for i in insts for c in i.chunks) / 2
     assert res["memalpha"]["memory_tokens"] == 0 and res["memalpha"]["tool_success"] == 0.0   # never calls
+
+
+def test_sft_batches_copy_phase_then_all_rows():
+    tok = bpe()
+    cfg = train.MemAlphaConfig(sft_batch=8, sft_copy_steps=2, chunks=3)
+    copy_rows = train.memalpha_sft_batch(tok, cfg, 1)
+    assert len(copy_rows) == 8
+    for r in copy_rows:                               # first chunks only: empty memory, a writer target
+        ctx = tok.decode(r.ids[:r.n_prompt])
+        assert "core: (empty)\nsemantic:\nepisodic:<|im_end|>" in ctx
+        assert tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True).startswith("<tool_call>")
+    rows = train.memalpha_sft_batch(tok, cfg, 2)
+    targets = [tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True) for r in rows]
+    assert len(rows) == 8 and any(not t.startswith("<tool_call>") for t in targets)   # answerer rows too
+    assert train.memalpha_sft_batch(tok, cfg, 2)[0].ids == rows[0].ids              # deterministic per step

@@ -595,6 +595,7 @@ class MemAlphaConfig:
     questions_per_instance: int = 4
     flaw_p: float = 0.5
     sft_steps: int = 600
+    sft_copy_steps: int = 300    # first steps on first-chunk writer rows only (copying names into JSON)
     sft_batch: int = 32
     sft_lr: float = 1e-3
     rl_steps: int = 20
@@ -625,7 +626,8 @@ MEMALPHA_HELP = {
     "vocab": "BPE vocabulary size", "answerer": "HF path of r1's frozen answerer (default: frozen copy after SFT)",
     "chunks": "chunks per instance", "facts_per_chunk": "new facts per chunk",
     "questions_per_instance": "questions per instance", "flaw_p": "share of SFT instances whose writer never revises",
-    "sft_steps": "SFT cold-start steps (0 skips)", "sft_batch": "rows per SFT step", "sft_lr": "SFT learning rate",
+    "sft_steps": "SFT cold-start steps (0 skips)",
+    "sft_copy_steps": "first SFT steps on first-chunk writer rows only (learn to copy names into JSON)", "sft_batch": "rows per SFT step", "sft_lr": "SFT learning rate",
     "rl_steps": "GRPO steps (0 skips)", "instances": "instances per GRPO step", "group": "rollouts per instance (G)",
     "lr": "GRPO learning rate", "max_new_tokens": "max tokens the writer generates per chunk",
     "temperature": "sampling temperature of the writer", "top_k_memory": "BM25 top-k of each store for r1",
@@ -690,9 +692,16 @@ def memalpha_raw_rows(tokenizer, inst: data.MemInstance, context_tokens: int = 6
 
 
 def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample]:
-    """``cfg.sft_batch`` rows from instances of a world drawn for this step only."""
+    """``cfg.sft_batch`` rows from instances of a world drawn for this step only.
+
+    During the first ``cfg.sft_copy_steps`` steps only the FIRST chunk's writer row of each instance
+    (empty memory: the shortest prompt) is used: the tiny model must first learn to copy names from the
+    chunk into JSON, and a measured 300-step cold start on all rows wrote one constant memory whatever
+    the chunk said (see the README's Mem-alpha section)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9), cfg.flaw_p)
+    if step < cfg.sft_copy_steps:
+        return [memalpha_expert_samples(tokenizer, data.MemInstance(inst.chunks[:1], []))[0] for inst in insts]
     rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory,
                                                                  context_tokens=cfg.context_tokens)]
     return rng.sample(rows, cfg.sft_batch)
