@@ -49,6 +49,10 @@ newer objective finishes, so only the newest answer survives and it answers ``un
 others. The flaw is decided per
 episode, not per round, so that imitation does not average it away (ALGORITHM.md 4.1: random
 per-fact drops at p = 0.3 left a strong SFT policy).
+
+Mem-alpha (section at the end): dated chunks of new facts, changed / ended facts and events, then
+questions on the latest value of a fact and on when an event happened; a scripted tool-call writer
+whose flaw (per instance) is never revising a fact; ``load_memalpha`` for real chunked JSONL.
 """
 from __future__ import annotations
 
@@ -745,3 +749,206 @@ def add_words(tokenizer, model, words: list[str]) -> list[str]:
         tokenizer.add_tokens([AddedToken(w, single_word=True, normalized=False) for w in missing])
         model.resize_token_embeddings(len(tokenizer))
     return missing
+
+
+# --- Mem-alpha: the memorisation task (ALGORITHM.md section 2)
+"""A stream of dated chunks about the embedded world, then questions answerable only from memory.
+
+Each chunk is one day's report, ``day 5 : kalo boss mira . lapu boss is now tebo . zena friend ended .
+kalo visited tebo .``, with three kinds of line: a new fact (``s r o``), a change of a fact reported in
+an earlier chunk (``s r is now o``: the update case; ``s r ended``: the delete case) and an event
+(``s visited o``: it happened on that day). The questions at the end ask for a fact's LATEST value
+(``kalo boss ?`` -> ``puni``; ``none`` after ``ended``) and for when an event happened
+(``when kalo visited tebo ?`` -> ``day 5``). At least one question is about a changed fact whenever
+one changed, and one about an event.
+
+The scripted writer (the SFT cold start's teacher) runs its own calls against a ``StructuredMemory``
+so it can name ids: per chunk, an insert ``semantic "s r o"`` per new fact, ``memory_update``
+of the old entry per change, ``memory_delete`` per ended fact, an insert ``episodic "on day D s v o"``
+per event and a core rewrite ``latest report day D`` (a real, if short, summary). Its flaw (decided per
+INSTANCE, ALGORITHM.md 4.1: per-call noise is averaged away by imitation): on a ``flaw_p`` share of
+instances it never revises, i.e. writes no update or delete, so the stale value stays and the
+change questions fail; RL has that headroom.
+``memory_answer`` is the answerer's teacher: it reads the answer off what the answerer is shown (the
+first entry ``s r X`` in its view, ``none`` when there is none; ``day D`` from the first matching
+event, ``unknown`` when there is none), so a frozen answerer trained on it measures the memory,
+not its own knowledge.
+"""
+EVENT_VERBS = ["met", "visited", "called", "helped"]
+NONE_ANSWER = "none"
+
+
+@dataclass
+class Chunk:
+    """One dated report: its text and, for the embedded world, the reports it is made of."""
+    text: str
+    day: int | None = None
+    reports: list[tuple] = field(default_factory=list)   # ("fact"|"change"|"end"|"event", s, r_or_verb, o)
+
+
+@dataclass
+class MemInstance:
+    """A Mem-alpha instance: chunks in order, then ``(question, aliases)`` pairs."""
+    chunks: list[Chunk]
+    questions: list[tuple[str, list[str]]]
+    flawed: bool = False        # the scripted writer's flaw for this instance (embedded world only)
+
+
+def make_memalpha_instance(world: World, rng: random.Random, n_chunks: int = 4, facts_per_chunk: int = 2,
+                           events_per_chunk: int = 1, change_p: float = 0.6, end_p: float = 0.3,
+                           n_questions: int = 4, flaw_p: float = 0.0) -> MemInstance:
+    """A stream of ``n_chunks`` dated chunks over ``world`` and ``n_questions`` questions about its end state."""
+    keys = rng.sample(sorted(world.facts), n_chunks * facts_per_chunk)
+    value: dict[tuple[str, str], str] = {}
+    changed: list[tuple[str, str]] = []
+    events: list[tuple[str, str, str, int]] = []
+    chunks, day = [], rng.randint(1, 3)
+    for c in range(n_chunks):
+        reports = []
+        for s, r in keys[c * facts_per_chunk:(c + 1) * facts_per_chunk]:
+            value[(s, r)] = world.facts[(s, r)]
+            reports.append(("fact", s, r, value[(s, r)]))
+        old = [k for k in value if value[k] != NONE_ANSWER and k not in changed and
+               not any(x[1:3] == k for x in reports)]
+        if c > 0 and old and rng.random() < change_p:
+            s, r = rng.choice(old)
+            if rng.random() < end_p:
+                value[(s, r)] = NONE_ANSWER
+                reports.append(("end", s, r, ""))
+            else:
+                value[(s, r)] = rng.choice([e for e in world.entities if e not in (s, value[(s, r)])])
+                reports.append(("change", s, r, value[(s, r)]))
+            changed.append((s, r))
+        for _ in range(events_per_chunk):
+            s, o = rng.sample(world.entities, 2)
+            v = rng.choice(EVENT_VERBS)
+            if not any(e[:3] == (s, v, o) for e in events):
+                events.append((s, v, o, day))
+                reports.append(("event", s, v, o))
+        chunks.append(Chunk(f"day {day} : " + " ".join(report_text(x) for x in reports), day, reports))
+        day += rng.randint(1, 3)
+    qs: list[tuple[str, list[str]]] = []
+    if changed:
+        s, r = rng.choice(changed)
+        qs.append((f"{s} {r} ?", [value[(s, r)]]))
+    if events:
+        s, v, o, d = rng.choice(events)
+        qs.append((f"when {s} {v} {o} ?", [f"day {d}"]))
+    pool = [k for k in value if f"{k[0]} {k[1]} ?" not in {q for q, _ in qs}]
+    for s, r in rng.sample(pool, min(len(pool), max(0, n_questions - len(qs)))):
+        qs.append((f"{s} {r} ?", [value[(s, r)]]))
+    return MemInstance(chunks, qs[:n_questions], rng.random() < flaw_p)
+
+
+def report_text(report: tuple) -> str:
+    kind, s, r, o = report
+    return {"fact": f"{s} {r} {o} .", "change": f"{s} {r} is now {o} .", "end": f"{s} {r} ended .",
+            "event": f"{s} {r} {o} ."}[kind]
+
+
+def make_memalpha_instances(world_seed: int, n: int, seed: int = 0, **kw) -> list[MemInstance]:
+    """``n`` instances over the world of ``world_seed``; ``kw`` goes to ``make_memalpha_instance``."""
+    world = make_world(world_seed)
+    rng = random.Random(seed * 100_003 + world_seed)
+    return [make_memalpha_instance(world, rng, **kw) for _ in range(n)]
+
+
+def writer_calls(memory, chunk: Chunk, flawed: bool = False) -> str:
+    """The scripted writer's output for ``chunk`` (tool-call text), executing each call on ``memory`` as it goes."""
+    from memory import tool_call_text
+    out = []
+
+    def call(name: str, args: dict) -> str:
+        out.append(tool_call_text(name, args))
+        if name == "new_memory_insert":
+            return memory.insert(args["memory_type"], args["content"])[1]
+        if name == "memory_update":
+            return memory.update(args["memory_type"], args["new_content"], args.get("memory_id"))[1]
+        return memory.delete(args["memory_type"], args["memory_id"])[1]
+
+    def fact_id(s: str, r: str) -> str | None:
+        return next((i for i, t in memory.entries("semantic") if t.split()[:2] == [s, r]), None)
+
+    for kind, s, r, o in chunk.reports:
+        if kind == "fact":
+            call("new_memory_insert", {"memory_type": "semantic", "content": f"{s} {r} {o}"})
+        elif kind == "event":
+            call("new_memory_insert", {"memory_type": "episodic", "content": f"on day {chunk.day} {s} {r} {o}"})
+        elif not flawed and (i := fact_id(s, r)) is not None:
+            if kind == "change":
+                call("memory_update", {"memory_type": "semantic", "new_content": f"{s} {r} {o}", "memory_id": i})
+            else:
+                call("memory_delete", {"memory_type": "semantic", "memory_id": i})
+    call("memory_update", {"memory_type": "core", "new_content": f"latest report day {chunk.day}"})
+    return "".join(out)
+
+
+def memory_answer(view: str, question: str) -> str:
+    """The answerer's teacher: the answer that ``view`` (the answerer's memory text) supports."""
+    words = question.replace("?", " ").split()
+    lines = [ln.split(":", 1)[1].split() for ln in view.splitlines()
+             if ":" in ln and not ln.startswith("question:")]
+    if words and words[0] == "when":
+        for ln in lines:
+            if ln[:2] == ["on", "day"] and ln[3:] == words[1:]:
+                return f"day {ln[2]}"
+        return UNKNOWN
+    for ln in lines:
+        if len(ln) == 3 and ln[:2] == words[:2]:
+            return ln[2]
+    return NONE_ANSWER
+
+
+def memalpha_texts(n: int = 40, seed: int = 0) -> list[str]:
+    """Text of the Mem-alpha task (chunks, writer calls, questions): BPE training data so JSON gets merges."""
+    from memory import StructuredMemory
+    texts = []
+    for inst in make_memalpha_instances(seed + 7, n, seed=seed, flaw_p=0.5):
+        mem = StructuredMemory(seed=seed)
+        for c in inst.chunks:
+            texts += [c.text, mem.render(c.text), writer_calls(mem, c, inst.flawed)]
+        texts += [f"{q} {a[0]}" for q, a in inst.questions]
+    return texts
+
+
+def load_memalpha(path: str) -> list[MemInstance]:
+    """Chunked instances from JSONL: ``chunks`` (list of strings) and ``questions_and_answers``
+    (list of ``{"question": str, "answer": str | [str, ...]}``). Errors name the file and line."""
+    out = []
+    for n, row in _read_jsonl(path):
+        chunks, qas = row.get("chunks"), row.get("questions_and_answers")
+        if not isinstance(chunks, list) or not chunks or not all(isinstance(c, str) and c.strip() for c in chunks):
+            raise DataError(f"{path}:{n}: 'chunks' must be a non-empty list of non-empty strings")
+        if not isinstance(qas, list) or not qas:
+            raise DataError(f"{path}:{n}: 'questions_and_answers' must be a non-empty list")
+        questions = []
+        for j, qa in enumerate(qas):
+            q = qa.get("question") if isinstance(qa, dict) else None
+            a = qa.get("answer") if isinstance(qa, dict) else None
+            a = [a] if isinstance(a, str) else a
+            if not isinstance(q, str) or not q.strip() or not isinstance(a, list) or not a or \
+                    not all(isinstance(x, str) for x in a):
+                raise DataError(f"{path}:{n}: questions_and_answers[{j}] needs a string 'question' and an "
+                                f"'answer' string or list of strings")
+            questions.append((q.strip(), a))
+        out.append(MemInstance([Chunk(c.strip()) for c in chunks], questions))
+    if not out:
+        raise DataError(f"{path}: no instances")
+    return out
+
+
+def chunks_answer(chunks: list[str], question: str) -> str:
+    """The answer the raw ``chunks`` support (the baselines' teacher): the newest report of the fact
+    (``none`` after ``ended`` or when unreported), or the day of the chunk that reports the event."""
+    words = question.replace("?", " ").split()
+    answer = UNKNOWN if words and words[0] == "when" else NONE_ANSWER
+    for chunk in chunks:
+        head, _, body = chunk.partition(":")
+        for line in body.split("."):
+            w = line.split()
+            if words and words[0] == "when":
+                if w == words[1:]:
+                    answer = head.strip()
+            elif w[:2] == words[:2] and len(w) >= 3:
+                answer = NONE_ANSWER if w[2] == "ended" else w[-1]
+    return answer

@@ -15,6 +15,9 @@ tasks of the embedded world, and of ``--corpus`` (any ``{id, contents}`` JSONL) 
 Held-out sets of the embedded world are new worlds (new fact graphs and questions) over the same
 pool of entity names as training; ``--split valid`` and ``--split test`` are disjoint world seeds:
 pick settings on ``valid``, report on ``test``.
+
+Mem-alpha: ``python eval.py memalpha --checkpoint RUN`` (section at the end): accuracy, memory tokens,
+tool-call success and validity of the writer, against long-context and RAG-top-2 over raw chunks.
 """
 from __future__ import annotations
 
@@ -374,6 +377,10 @@ def evaluate_memtrain(model, tokenizer, tasks: list, names=None, mem_tokens: int
 
 
 def main(argv=None) -> None:
+    import sys
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["memalpha"]:
+        return memalpha_main(args[1:])          # python eval.py memalpha --checkpoint RUN (Mem-alpha section)
     p = argparse.ArgumentParser(description="Evaluate MemPO checkpoints.")
     p.add_argument("--checkpoint", help="run folder or checkpoint folder saved by train.py (e.g. runs/default)")
     p.add_argument("--compare", nargs="+", metavar="NAME=RUN[,RUN...]",
@@ -448,6 +455,135 @@ def main(argv=None) -> None:
                                                              mask_mode, threshold).items()}
         out["diagnostics_mem_mask"] = mask_mode
     print(json.dumps(out))
+
+
+
+# --- Mem-alpha: accuracy, memory size, tool-call success, and the raw-chunk baselines (ALGORITHM.md section 2)
+"""``python eval.py memalpha --checkpoint RUN``: the writer (RUN/final) builds a memory per held-out
+instance greedily; the frozen answerer (RUN/sft, the cold-started copy, or ``--answerer``) answers
+from core + BM25 top-k of each store. Reported: accuracy (exact match), memory tokens, tool-call
+success (successful / all calls), r4 validity. Baselines on the same streams with the same answerer:
+``long_context`` (the newest raw chunks that fit ``--context-tokens``) and ``rag_top2`` (BM25 top-2
+raw chunks for the question). Memory tokens of a baseline = what it keeps: the chunks in its window,
+or every chunk for RAG. The embedded answerer learnt raw-chunk contexts in SFT too
+(``memalpha_raw_rows``), so the three conditions share one answerer.
+"""
+
+
+def chunks_messages(chunks: list[str], question: str) -> list[dict]:
+    """The answerer's context for the raw-chunk baselines: the chunks, then the question."""
+    from memory import ANSWER_SYSTEM
+    return [{"role": "system", "content": ANSWER_SYSTEM},
+            {"role": "user", "content": "\n".join(f"chunk: {c}" for c in chunks) + f"\nquestion: {question}"}]
+
+
+def long_context_chunks(chunks: list[str], count_tokens, budget: int) -> list[str]:
+    """The newest chunks whose tokens fit ``budget`` together, in stream order (at least none)."""
+    kept, used = [], 0
+    for c in reversed(chunks):
+        n = count_tokens(c)
+        if used + n > budget:
+            break
+        kept.insert(0, c)
+        used += n
+    return kept
+
+
+def rag_chunks(chunks: list[str], question: str, k: int = 2) -> list[str]:
+    """BM25 (``rank-bm25``, BM25+ as memory.py) top-``k`` raw chunks for ``question``, in stream order."""
+    from rank_bm25 import BM25Plus
+    from rollout import bm25_tokens
+    scores = BM25Plus([bm25_tokens(c) for c in chunks]).get_scores(bm25_tokens(question))
+    top = sorted(range(len(chunks)), key=lambda i: (-scores[i], -i))[:k]
+    return [chunks[i] for i in sorted(top)]
+
+
+def answer_contexts(model, tokenizer, message_lists: list[list[dict]], max_new_tokens: int = 16,
+                    batch: int = 256) -> list[str]:
+    """Greedy answers of ``model`` to each message list."""
+    from rollout import encode_chat, generate
+    prompts = [encode_chat(tokenizer, m) for m in message_lists]
+    out = []
+    for s in range(0, len(prompts), batch):
+        gens = generate(model, prompts[s:s + batch], max_new_tokens, pad_id=tokenizer.pad_token_id,
+                        eos_id=tokenizer.eos_token_id, temperature=0.0)
+        out += [tokenizer.decode(g, skip_special_tokens=True) for g in gens]
+    return out
+
+
+def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, context_tokens: int = 64,
+                      max_new_tokens: int = 192) -> dict:
+    """Mem-alpha writer vs long-context and RAG-top-2 on the same instances -> {method: metrics}."""
+    from reward import em_score, r4_validity
+    from rollout import WriterConfig, memalpha_rollout
+    from memory import answerer_messages
+    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
+    rolls = memalpha_rollout(writer, tokenizer, instances, 1, WriterConfig(max_new_tokens=max_new_tokens,
+                                                                          temperature=0.0))
+    views = {"memalpha": [], "long_context": [], "rag_top2": []}
+    kept = {m: [] for m in views}
+    golds = []
+    for r, inst in zip(rolls, instances):
+        texts = [c.text for c in inst.chunks]
+        window = long_context_chunks(texts, count, context_tokens)
+        kept["memalpha"].append(r.memory.n_tokens())
+        kept["long_context"].append(sum(count(c) for c in window))
+        kept["rag_top2"].append(sum(count(c) for c in texts))
+        for q, g in inst.questions:
+            views["memalpha"].append(answerer_messages(r.memory, q, k))
+            views["long_context"].append(chunks_messages(window, q))
+            views["rag_top2"].append(chunks_messages(rag_chunks(texts, q, 2), q))
+            golds.append(g)
+    calls = [res for r in rolls for s in r.steps for res in s.results]
+    # inserts whose every word comes from the chunk or is "on" / "day" / its number: copied, not invented
+    inserts = [(c.arguments["content"], inst.chunks[j].text) for r, inst in zip(rolls, instances)
+               for j, s in enumerate(r.steps) for c in s.calls if c.error is None and c.name == "new_memory_insert"]
+    copied = [set(x.split()) <= set(t.split()) | {"on", "day"} for x, t in inserts]
+    out = {}
+    for method, msgs in views.items():
+        preds = answer_contexts(answerer, tokenizer, msgs)
+        out[method] = {"accuracy": sum(em_score(p, g) for p, g in zip(preds, golds)) / len(golds),
+                       "memory_tokens": sum(kept[method]) / len(kept[method]), "questions": len(golds)}
+    out["memalpha"].update(tool_success=sum(ok for ok, _ in calls) / len(calls) if calls else 0.0,
+                           calls_per_chunk=len(calls) / sum(len(r.steps) for r in rolls),
+                           inserts_copied=sum(copied) / len(copied) if copied else 0.0,
+                           validity=sum(r4_validity(s.calls) for r in rolls for s in r.steps) /
+                           sum(len(r.steps) for r in rolls))
+    return out
+
+
+def memalpha_main(argv) -> None:
+    p = argparse.ArgumentParser(description="Evaluate a Mem-alpha run against long-context and RAG-top-2.")
+    p.add_argument("--checkpoint", required=True, help="Mem-alpha run folder (writer in final/, answerer in sft/)")
+    p.add_argument("--answerer", default="", help="HF path of the answerer (default: RUN/sft)")
+    p.add_argument("--data", default="", help="chunked instances JSONL (chunks, questions_and_answers)")
+    p.add_argument("--instances", type=int, default=64, help="held-out instances (embedded world)")
+    p.add_argument("--split", default="test", choices=list(SPLIT_SEEDS), help="held-out world seeds")
+    p.add_argument("--seed", type=int, default=0, help="which held-out instances")
+    p.add_argument("--chunks", type=int, default=4, help="chunks per instance (embedded world)")
+    p.add_argument("--top-k", type=int, default=3, help="BM25 top-k of each store for the answerer")
+    p.add_argument("--context-tokens", type=int, default=64, help="long-context baseline's budget of chunk tokens")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="max tokens the writer generates per chunk")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    args = p.parse_args(argv)
+    device = pick_device(args.device)
+    import os
+    from transformers import AutoTokenizer
+    final = os.path.join(args.checkpoint, "final")
+    writer = load_model(final, device).eval()
+    answerer = load_model(args.answerer or os.path.join(args.checkpoint, "sft"), device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    if args.data:
+        instances = data.load_memalpha(args.data)
+    else:
+        instances = data.make_memalpha_instances(SPLIT_SEEDS[args.split] + args.seed, args.instances,
+                                                 seed=args.seed, n_chunks=args.chunks)
+    res = evaluate_memalpha(writer, answerer, tokenizer, instances, args.top_k, args.context_tokens,
+                            args.max_new_tokens)
+    for method, r in res.items():
+        print(f"{method:13s} " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in r.items()))
+    print(json.dumps({"checkpoint": args.checkpoint, "split": args.split, "memalpha": res}))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,16 @@ answers), batched across rollouts on the same engine; its choices are listed in 
 Choices: a round that does not end in an action tag (EOS, max tokens) ends its trajectory, which
 the format check then scores 0; tool output is a whole chunk of the next prompt, never fed token
 by token; CUDA uses bf16 and flash-attention-2 when ``flash_attn`` imports, else SDPA.
+
+Mem-alpha (section at the end): tool calls in Qwen2.5's ``<tool_call>{"name", "arguments"}</tool_call>``
+convention. ``parse_tool_calls`` never raises: malformed JSON, an unknown tool, missing / extra /
+non-string arguments and an unclosed block are calls with an ``error``, executed as failures (they
+count in r2's denominator). A ``</tool_call>`` inside a JSON string still closes the block (as in
+Qwen's own parser).
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -480,3 +487,122 @@ def imr_rollout(model, tokenizer, items: list[tuple[str, str, str]], cfg: MemAge
         m = ANSWER_RE.search(text)
         out.append(m.group(1).strip() if m else None)
     return out
+
+
+# --- Mem-alpha: tool calls and the chunked memorisation loop (ALGORITHM.md section 2)
+
+@dataclass
+class ToolCall:
+    """One ``<tool_call>`` block: its tool and arguments, or why it cannot run (``error`` set)."""
+    name: str | None
+    arguments: dict
+    error: str | None = None
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every ``<tool_call>{json}</tool_call>`` in ``text``, in order; never raises.
+
+    A block whose body is not a JSON object with a string ``name`` of a known tool and an object
+    ``arguments`` holding exactly that tool's string arguments is returned with ``error`` set (a
+    failed call). An opened block that is never closed is one failed call; text outside blocks is ignored.
+    """
+    from memory import TOOL_ARGS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+    calls, pos = [], 0
+    while True:
+        start = text.find(TOOL_CALL_OPEN, pos)
+        if start < 0:
+            return calls
+        end = text.find(TOOL_CALL_CLOSE, start)
+        if end < 0:
+            calls.append(ToolCall(None, {}, "error: <tool_call> is never closed"))
+            return calls
+        calls.append(_tool_call(text[start + len(TOOL_CALL_OPEN):end], TOOL_ARGS))
+        pos = end + len(TOOL_CALL_CLOSE)
+
+
+def _tool_call(body: str, tool_args: dict) -> ToolCall:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as e:                  # RecursionError: "[[[[..." nested too deep
+        return ToolCall(None, {}, f"error: not valid JSON ({type(e).__name__})")
+    if not isinstance(obj, dict):
+        return ToolCall(None, {}, "error: a tool call must be a JSON object")
+    name, args = obj.get("name"), obj.get("arguments", {})
+    if not isinstance(name, str) or name not in tool_args:
+        return ToolCall(None, {}, f"error: unknown tool {str(name)[:40]!r} (one of {', '.join(tool_args)})")
+    if not isinstance(args, dict):
+        return ToolCall(name, {}, "error: 'arguments' must be a JSON object")
+    required, optional = tool_args[name]
+    missing = [a for a in required if a not in args]
+    extra = [a for a in args if a not in required + optional]
+    wrong = [a for a in args if a not in extra and not (isinstance(args[a], str) or (a == "memory_id" and args[a] is None))]
+    if missing or extra or wrong:
+        why = "; ".join(f"{k}: {', '.join(map(str, v))[:80]}" for k, v in
+                        (("missing", missing), ("unexpected", extra), ("not a string", wrong)) if v)
+        return ToolCall(name, args, f"error: bad arguments for {name} ({why})")
+    return ToolCall(name, args)
+
+
+def execute_tool_calls(memory, calls: list[ToolCall]) -> list[tuple[bool, str]]:
+    """Run ``calls`` in order against a ``memory.StructuredMemory`` -> ``(ok, message)`` per call."""
+    out = []
+    for c in calls:
+        if c.error:
+            out.append((False, c.error))
+        elif c.name == "new_memory_insert":
+            out.append(memory.insert(c.arguments["memory_type"], c.arguments["content"]))
+        elif c.name == "memory_update":
+            out.append(memory.update(c.arguments["memory_type"], c.arguments["new_content"],
+                                     c.arguments.get("memory_id")))
+        else:
+            out.append(memory.delete(c.arguments["memory_type"], c.arguments["memory_id"]))
+    return out
+
+
+@dataclass
+class ChunkStep:
+    """One chunk of one rollout: the context the writer saw, what it sampled, its calls and their results."""
+    context_ids: list[int]
+    output_ids: list[int]
+    text: str
+    calls: list[ToolCall]
+    results: list[tuple[bool, str]]
+
+
+@dataclass
+class MemRollout:
+    """One rollout of one Mem-alpha instance: its memory after the last chunk and every chunk step."""
+    group_id: int                      # the instance's index: all G rollouts of it form one group
+    memory: object                     # memory.StructuredMemory
+    steps: list[ChunkStep] = field(default_factory=list)
+
+
+@dataclass
+class WriterConfig:
+    core_limit: int = 512
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    id_seed: int = 0                   # every memory draws ids from this seed (the SFT writer's too)
+
+
+def memalpha_rollout(model, tokenizer, instances: list, group_size: int, cfg: WriterConfig,
+                     generator: torch.Generator | None = None) -> list[MemRollout]:
+    """Feed every instance's chunks, in order, to ``group_size`` rollouts each; chunk c of every live
+    rollout of every instance is ONE batched ``generate`` call. Returns rollouts in instance order."""
+    from memory import StructuredMemory, writer_messages
+    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
+    outs = [MemRollout(i, StructuredMemory(cfg.core_limit, count, seed=cfg.id_seed))
+            for i in range(len(instances)) for _ in range(group_size)]
+    for c in range(max(len(inst.chunks) for inst in instances)):
+        live = [r for r in outs if c < len(instances[r.group_id].chunks)]
+        contexts = [encode_chat(tokenizer, writer_messages(r.memory, instances[r.group_id].chunks[c].text))
+                    for r in live]                                        # fresh context per chunk
+        gens = generate(model, contexts, cfg.max_new_tokens, pad_id=tokenizer.pad_token_id,
+                        eos_id=tokenizer.eos_token_id, temperature=cfg.temperature, top_p=cfg.top_p,
+                        generator=generator)
+        for r, ctx, out in zip(live, contexts, gens):
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            calls = parse_tool_calls(text)
+            r.steps.append(ChunkStep(ctx, out, text, calls, execute_tool_calls(r.memory, calls)))
+    return outs

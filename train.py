@@ -38,6 +38,10 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
   checkpoint feeds task RL through the existing ``--model RUN/final`` (no separate ``--init-from``):
   ``--model SFT/final --algo memtrain`` then ``--model MT/final --algo mempo``. This file is past the
   ~600 lines of STYLE.md; the fixed top-level file list leaves no ``sft.py`` / ``memtrain.py`` to move to.
+* ``--algo memalpha`` (section at the end, own flags and config) trains Mem-alpha: SFT on a scripted
+  tool-call writer + answerer, then GRPO with one group per instance over every chunk step of its G
+  rollouts; it reuses ``ppo_update`` and ``grpo.grouped_advantage`` (rewards in float64, so equal
+  rewards give exactly zero advantages and the step is skipped). No checkpoint / resume there yet.
 * Checkpoints (``save_pretrained`` + optimizer + step + RNG) are written to a temporary folder and
   renamed into place, so a kill leaves either the old or the new one. Data order depends only on
   ``(seed, step)``, so ``--resume`` continues a killed run with the same batches.
@@ -163,7 +167,8 @@ def parse_args(argv=None) -> Config:
         "sft_copy_steps": "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model to copy names)", "forget_p": "fraction of expert episodes with the forgetting flaw",
         "sft_objectives": "objective counts K of SFT questions, e.g. 1-10", "hops": "hops per objective, e.g. 1-3",
         "algo": "mempo (outcome + memory advantage) | grpo (outcome only) | memtrain (self-supervised memory "
-                "pre-training: masked reconstruction + IMR; start RL from its checkpoint with --model RUN/final)", "rl_steps": "RL steps (0 skips RL)",
+                "pre-training: masked reconstruction + IMR; start RL from its checkpoint with --model RUN/final) | "
+                "memalpha (own flags: --algo memalpha --help)", "rl_steps": "RL steps (0 skips RL)",
         "questions": "questions per RL step", "group": "rollouts per question (G)",
         "rl_objectives": "objective counts K of RL questions", "rl_hops": "hops per objective in RL",
         "lr": "RL learning rate", "train_context": "snail | full: the context RL rollouts see",
@@ -1090,6 +1095,10 @@ def memtrain_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int
 # --------------------------------------------------------------------------- main
 
 def main(argv=None) -> None:
+    import sys
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "memalpha" in args and args.index("memalpha") > 0 and args[args.index("memalpha") - 1] == "--algo":
+        return run_memalpha(parse_memalpha_args(args))     # its own flags: see the Mem-alpha section
     cfg = parse_args(argv)
     os.makedirs(cfg.run, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -1161,6 +1170,241 @@ def main(argv=None) -> None:
     if is_dist():
         import torch.distributed as dist
         dist.destroy_process_group()
+
+
+
+# --- Mem-alpha: SFT cold start + GRPO over chunk steps (ALGORITHM.md section 2)
+"""``python train.py --algo memalpha``: learn to build a core / semantic / episodic memory with tool calls.
+
+    SFT   rows of two kinds, mixed in every batch: writer rows (the scripted writer's tool calls for
+          one chunk, in the fresh context the loop shows: ``memory.writer_messages``) and answerer
+          rows (core + BM25 top-k of each store of the writer's FINAL memory + question -> the
+          answer that memory supports, ``data.memory_answer``). ``--flaw-p`` of the instances have
+          the never-revising writer, so the cold-started writer has headroom on changed facts.
+    r1's answerer = a frozen copy of the cold-started model (or ``--answerer PATH``).
+    GRPO  per step: ``--instances`` fresh instances x ``--group`` rollouts (``rollout.memalpha_rollout``);
+          reward per chunk step r1 + r2 + beta r3 + gamma r4 (``reward.memalpha_rewards``); ONE group =
+          every chunk step of every rollout of an instance, std-normalised (``grpo.grouped_advantage``);
+          every chunk step is a training row (context + output, loss on output) for the shared ``ppo_update``.
+
+Choices: the tokenizer is the byte-level BPE of ``data.build_bpe_tokenizer`` trained on the world's and
+this task's text (a word-level tokenizer cannot write JSON); every SFT step draws a new world (the
+name pool is shared), so held-out worlds test generalisation to new facts; the generation ends at
+EOS (``<|im_end|>``) or ``--max-new-tokens``; no KL by default (the paper uses none).
+"""
+
+
+@dataclass
+class MemAlphaConfig:
+    run: str = "runs/memalpha"
+    seed: int = 0
+    device: str = "auto"
+    algo: str = "memalpha"
+    hidden: int = 128
+    layers: int = 3
+    heads: int = 8
+    ffn: int = 256
+    vocab: int = 800
+    answerer: str = ""           # HF path of r1's frozen answerer; empty = a frozen copy after SFT
+    chunks: int = 4
+    facts_per_chunk: int = 2
+    questions_per_instance: int = 4
+    flaw_p: float = 0.5
+    sft_steps: int = 600
+    sft_copy_steps: int = 300    # first steps on first-chunk writer rows only (copying names into JSON)
+    sft_batch: int = 32
+    sft_lr: float = 1e-3
+    rl_steps: int = 20
+    instances: int = 4
+    group: int = 8
+    lr: float = 1e-4
+    max_new_tokens: int = 192
+    temperature: float = 1.0
+    top_k_memory: int = 3
+    context_tokens: int = 64     # the long-context baseline's window (answerer rows over raw chunks in SFT)
+    beta: float = 0.05
+    gamma: float = 0.1
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 0.0
+    kl_coef: float = 0.0
+    agg: str = "token-mean"
+    ppo_epochs: int = 1
+    micro_tokens: int = 4096
+    grad_clip: float = 1.0
+    mem_weight: float = 0.0      # no <mem> spans in Mem-alpha (ppo_update reads it)
+    precision: str = "auto"      # auto (bf16 autocast on CUDA) | fp32 | bf16 (ppo_update reads it)
+
+
+MEMALPHA_HELP = {
+    "run": "output folder", "seed": "seed of worlds, data order and sampling", "device": "auto | cpu | cuda",
+    "algo": "memalpha", "hidden": "hidden size of the tiny model", "layers": "layers of the tiny model",
+    "heads": "attention heads of the tiny model", "ffn": "MLP width of the tiny model",
+    "vocab": "BPE vocabulary size", "answerer": "HF path of r1's frozen answerer (default: frozen copy after SFT)",
+    "chunks": "chunks per instance", "facts_per_chunk": "new facts per chunk",
+    "questions_per_instance": "questions per instance", "flaw_p": "share of SFT instances whose writer never revises",
+    "sft_steps": "SFT cold-start steps (0 skips)",
+    "sft_copy_steps": "first SFT steps on first-chunk writer rows only (learn to copy names into JSON)", "sft_batch": "rows per SFT step", "sft_lr": "SFT learning rate",
+    "rl_steps": "GRPO steps (0 skips)", "instances": "instances per GRPO step", "group": "rollouts per instance (G)",
+    "lr": "GRPO learning rate", "max_new_tokens": "max tokens the writer generates per chunk",
+    "temperature": "sampling temperature of the writer", "top_k_memory": "BM25 top-k of each store for r1",
+    "context_tokens": "long-context baseline's chunk-token window (its SFT answerer rows use it)",
+    "beta": "weight of r3 (compression)", "gamma": "weight of r4 (content validity)",
+    "clip_low": "PPO clip below 1", "clip_high": "PPO clip above 1", "dual_clip": "dual clip (0 = off)",
+    "kl_coef": "k3 KL to the cold-started policy (0 = none, the paper)", "agg": "loss aggregation",
+    "ppo_epochs": "update passes per batch", "micro_tokens": "token budget of one update micro-batch",
+    "grad_clip": "max grad norm", "mem_weight": "unused by Mem-alpha", "precision": "auto | fp32 | bf16: bf16 autocast forward over fp32 weights",
+}
+
+
+def parse_memalpha_args(argv) -> MemAlphaConfig:
+    p = argparse.ArgumentParser(description="Mem-alpha: SFT cold start + GRPO over chunk steps")
+    for name, default in asdict(MemAlphaConfig()).items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=MEMALPHA_HELP[name])
+    return MemAlphaConfig(**vars(p.parse_args(argv)))
+
+
+def memalpha_tokenizer(vocab: int = 800, seed: int = 0):
+    """The byte-level BPE tokenizer trained on the world's text and this task's chunks and tool calls."""
+    return data.build_bpe_tokenizer(data.world_texts(seed=seed) + data.memalpha_texts(seed=seed), vocab)
+
+
+def memalpha_instances(cfg: MemAlphaConfig, world_seed: int, n: int, seed: int, flaw_p: float = 0.0):
+    return data.make_memalpha_instances(world_seed, n, seed=seed, n_chunks=cfg.chunks,
+                                        facts_per_chunk=cfg.facts_per_chunk,
+                                        n_questions=cfg.questions_per_instance, flaw_p=flaw_p)
+
+
+def memalpha_expert_samples(tokenizer, inst: data.MemInstance, k: int = 3, core_limit: int = 512,
+                            context_tokens: int = 64) -> list[Sample]:
+    """The scripted writer's rows (one per chunk), then the answerer's rows: one per question from the
+    writer's final memory, one per question from raw chunks (``memalpha_raw_rows``)."""
+    from memory import StructuredMemory, answerer_messages, writer_messages
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
+    mem = StructuredMemory(core_limit, lambda s: len(enc(s)), seed=0)     # ids as the loop draws them
+    rows = []
+    for chunk in inst.chunks:
+        ctx = encode_chat(tokenizer, writer_messages(mem, chunk.text))
+        rows.append(Sample(ctx + enc(data.writer_calls(mem, chunk, inst.flawed)) + [tokenizer.eos_token_id], len(ctx)))
+    for q, _ in inst.questions:
+        msgs = answerer_messages(mem, q, k)
+        ctx = encode_chat(tokenizer, msgs)
+        rows.append(Sample(ctx + enc(data.memory_answer(msgs[1]["content"], q)) + [tokenizer.eos_token_id], len(ctx)))
+    return rows + memalpha_raw_rows(tokenizer, inst, context_tokens)
+
+
+def memalpha_raw_rows(tokenizer, inst: data.MemInstance, context_tokens: int = 64) -> list[Sample]:
+    """Answerer rows over RAW chunks (the baselines' contexts), so one answerer serves memory and baselines:
+    question i sees the long-context window when i is even, the BM25 top-2 chunks when odd."""
+    from eval import chunks_messages, long_context_chunks, rag_chunks
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
+    texts = [c.text for c in inst.chunks]
+    window = long_context_chunks(texts, lambda s: len(enc(s)), context_tokens)
+    rows = []
+    for i, (q, _) in enumerate(inst.questions):
+        seen = window if i % 2 == 0 else rag_chunks(texts, q, 2)
+        ctx = encode_chat(tokenizer, chunks_messages(seen, q))
+        rows.append(Sample(ctx + enc(data.chunks_answer(seen, q)) + [tokenizer.eos_token_id], len(ctx)))
+    return rows
+
+
+def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample]:
+    """``cfg.sft_batch`` rows from instances of a world drawn for this step only.
+
+    During the first ``cfg.sft_copy_steps`` steps only the FIRST chunk's writer row of each instance
+    (empty memory: the shortest prompt) is used: the tiny model must first learn to copy names from the
+    chunk into JSON, and a measured 300-step cold start on all rows wrote one constant memory whatever
+    the chunk said (see the README's Mem-alpha section)."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9), cfg.flaw_p)
+    if step < cfg.sft_copy_steps:
+        return [memalpha_expert_samples(tokenizer, data.MemInstance(inst.chunks[:1], []))[0] for inst in insts]
+    rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory,
+                                                                 context_tokens=cfg.context_tokens)]
+    return rng.sample(rows, cfg.sft_batch)
+
+
+def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, step: int, instances=None) -> dict:
+    """One GRPO step: rollouts -> r1..r4 -> advantages grouped per instance over chunk steps -> ppo_update."""
+    from reward import memalpha_rewards
+    from rollout import WriterConfig, memalpha_rollout
+    if instances is None:
+        rng = random.Random(cfg.seed * 7_000_003 + step)
+        instances = memalpha_instances(cfg, rng.randrange(10**9), cfg.instances, rng.randrange(10**9))
+    gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step)
+    t0 = time.time()
+    model.eval()
+    rolls = memalpha_rollout(model, tokenizer, instances, cfg.group,
+                             WriterConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature), gen)
+    m: dict = {"stage": "rl", "step": step, "sec_rollout": time.time() - t0}
+    t0 = time.time()
+    rw = memalpha_rewards(answerer, tokenizer, rolls, instances, cfg.top_k_memory, cfg.beta, cfg.gamma)
+    steps = [(r.group_id, s, x) for r, xs in zip(rolls, rw["reward"]) for s, x in zip(r.steps, xs)]
+    # float64: equal rewards must give exactly-zero advantages, not float32 noise / (std + eps)
+    adv = grouped_advantage(torch.tensor([x for _, _, x in steps], dtype=torch.float64),
+                            torch.tensor([g for g, _, _ in steps]))
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
+    m.update(reward=mean([x for _, _, x in steps]), r1=mean(rw["r1"]), r3=mean(rw["r3"]),
+             r2=mean([x for xs in rw["r2"] for x in xs]), r4=mean([x for xs in rw["r4"] for x in xs]),
+             mem_tokens=mean(rw["mem_tokens"]), calls=mean([len(s.calls) for _, s, _ in steps]),
+             sec_reward=time.time() - t0)
+    samples = [Sample(s.context_ids + s.output_ids, len(s.context_ids), adv_t=float(a))
+               for (_, s, _), a in zip(steps, adv) if s.output_ids]
+    t0 = time.time()
+    if not samples or all(abs(s.adv_t) < 1e-6 for s in samples):
+        m["skipped"] = "all advantages are zero"
+    else:
+        m.update(ppo_update(model, None, optimizer, samples, cfg, tokenizer.pad_token_id))
+    m["sec_update"] = time.time() - t0
+    return m
+
+
+def run_memalpha(cfg: MemAlphaConfig) -> None:
+    """SFT cold start on the scripted writer + answerer, then GRPO with a frozen answerer for r1."""
+    import copy
+    from tqdm import tqdm
+    os.makedirs(cfg.run, exist_ok=True)
+    metrics_path = os.path.join(cfg.run, "metrics.jsonl")
+    if os.path.exists(metrics_path):
+        raise SystemExit(f"{cfg.run} already holds a run ({metrics_path}); choose another --run")
+    with open(os.path.join(cfg.run, "config.json"), "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
+    torch.manual_seed(cfg.seed)
+    device = pick_device(cfg.device)
+    tokenizer = memalpha_tokenizer(cfg.vocab, cfg.seed)
+    model = data.build_tiny_model(tokenizer, cfg.hidden, cfg.layers, cfg.heads, cfg.ffn, seed=cfg.seed).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
+    model.train()
+    t_start = time.time()
+    for step in tqdm(range(cfg.sft_steps), desc="memalpha sft"):
+        for g in opt.param_groups:
+            g["lr"] = cfg.sft_lr * sched(step)
+        samples = memalpha_sft_batch(tokenizer, cfg, step)
+        n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
+        opt.zero_grad(set_to_none=True)
+        loss = 0.0
+        for mb in micro_batches(samples, cfg.micro_tokens):
+            part = sft_loss(model, collate(mb, tokenizer.pad_token_id, device), n_tokens)
+            part.backward()
+            loss += part.item()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        if step % 50 == 0 or step == cfg.sft_steps - 1:
+            log_jsonl(metrics_path, {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn.item(),
+                                     "sec_total": time.time() - t_start})
+    model.save_pretrained(os.path.join(cfg.run, "sft"))
+    tokenizer.save_pretrained(os.path.join(cfg.run, "sft"))
+    answerer = (load_model(cfg.answerer, device) if cfg.answerer else copy.deepcopy(model)).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    bar = tqdm(range(cfg.rl_steps), desc="memalpha grpo")
+    for step in bar:
+        m = memalpha_step(model, answerer, tokenizer, opt, cfg, step)
+        log_jsonl(metrics_path, m)
+        bar.set_postfix(reward=f"{m['reward']:.3f}", r1=f"{m['r1']:.3f}")
+    model.save_pretrained(os.path.join(cfg.run, "final"))
+    tokenizer.save_pretrained(os.path.join(cfg.run, "final"))
+    print(f"saved {cfg.run}/final")
 
 
 if __name__ == "__main__":
