@@ -127,15 +127,17 @@ def side_by_side(fns: dict, repeats: int, device: torch.device) -> dict[str, flo
 
 def hf_generate(model, prompts, max_new_tokens, *, pad_id, eos_id=None, stop_seqs=(), stops=None, temperature=1.0,
                 top_p=1.0, generator=None):
-    """``rollout.generate``'s contract on top of ``model.generate`` (its own ``stop_strings``): re-prefill all,
-    cut each row after its stop."""
+    """``rollout.generate``'s contract on top of ``model.generate``: re-prefill all, cut each row after its stop."""
     ids, attn = left_pad(prompts, pad_id, model.device)
     ends = [s[0] for s in stop_seqs if len(s) == 1] + ([eos_id] if eos_id is not None else [])
+    if stops is not None:     # a stop string that is one token (word-level vocabularies) ends a row in HF too;
+        for s in stops.strings:   # others are cut below (HF's own stop_strings cannot read a word-level vocabulary)
+            one = stops.tokenizer.encode(s, add_special_tokens=False)
+            ends += one if len(one) == 1 else []
     sample = temperature > 0
-    strings = dict(stop_strings=list(stops.strings), tokenizer=stops.tokenizer) if stops is not None else {}
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=sample,
                          temperature=temperature if sample else None, top_p=top_p if sample else None,
-                         top_k=0 if sample else None, pad_token_id=pad_id, eos_token_id=ends or None, **strings)
+                         top_k=0 if sample else None, pad_token_id=pad_id, eos_token_id=ends or None)
     rows = []
     for row in out[:, ids.shape[1]:].tolist():
         for i, t in enumerate(row):

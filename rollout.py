@@ -6,8 +6,11 @@ are prefilled once and their cache rows repeated. Position ids come from the att
 padding does not shift them. Decoding writes into a preallocated ``StaticCache`` (no per-step
 concat of the cache), passes a preallocated 4D mask straight to attention (no per-step mask
 building), keeps outputs in one tensor (no per-step Python over rows) and samples by inverse CDF
-(one uniform per row). A row that hits EOS or a stop sequence is finished; finished rows leave the
-batch (their cache rows dropped) once they are a quarter of it, since each drop copies the cache.
+(one uniform per row). A row that hits EOS, a stop token sequence or a stop STRING is finished (stop
+strings: ``StopStrings``, the tag however the tokenizer splits it; only rows whose newest token holds
+a tag's last character decode their tail); finished rows leave the batch (their cache rows dropped)
+once they are a quarter of it, since each drop copies the cache. Under bf16 autocast over fp32 weights
+the cache stores keys and values in the autocast dtype.
 Greedy output equals ``model.generate`` token for token (``test_rollout.py``); ``bench.py`` times it.
 
 Agent loop (``rollout``): per round, for every live trajectory,
@@ -28,8 +31,13 @@ MemTrain's memory agent (section at the end, ALGORITHM.md section 3): one MemPO-
 answers), batched across rollouts on the same engine; its choices are listed in that section.
 
 Choices: a round that does not end in an action tag (EOS, max tokens) ends its trajectory, which
-the format check then scores 0; tool output is a whole chunk of the next prompt, never fed token
-by token; CUDA uses bf16 and flash-attention-2 when ``flash_attn`` imports, else SDPA.
+the format check then scores 0; a round's TEXT ends at its first closing action tag (what a BPE token
+carries past it, ``>.`` or ``>\n``, is dropped from the text, the next context and the format check),
+while its ids stay exactly as sampled (the update trains on them); the next round's prompt is the chat
+template of the records' text, which is what the policy then sees and what that round's row holds;
+tool output is a whole chunk of the next prompt, never fed token by token; flash-attention-2 on CUDA
+when ``flash_attn`` imports, else SDPA. A model from elsewhere gets ``PROTOCOL_PROMPT``; a checkpoint
+of this project carries its own prompt (``system_prompt.txt``, ``checkpoint_prompt``).
 
 Mem-alpha (section at the end): tool calls in Qwen2.5's ``<tool_call>{"name", "arguments"}</tool_call>``
 convention. ``parse_tool_calls`` never raises: malformed JSON, an unknown tool, missing / extra /

@@ -42,6 +42,12 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
   tool-call writer + answerer, then GRPO with one group per instance over every chunk step of its G
   rollouts; it reuses ``ppo_update`` and ``grpo.grouped_advantage`` (rewards in float64, so equal
   rewards give exactly zero advantages and the step is skipped). No checkpoint / resume there yet.
+* Precision: weights (and so gradients and AdamW states) are fp32, the forward runs under bf16
+  autocast on CUDA (``--precision``): AdamW stepping bf16 weights directly rounds an lr-1e-6 update
+  away for most weights. A resumed run keeps the precision it was started with.
+* The system prompt: the world's compact one for the embedded default, ``rollout.PROTOCOL_PROMPT`` for
+  a model from elsewhere, a checkpoint's own ``system_prompt.txt`` (every save writes it), or
+  ``--system-prompt FILE``. ``--sft-data`` rows are rendered with it (the file's system turn is ignored).
 * Checkpoints (``save_pretrained`` + optimizer + step + RNG) are written to a temporary folder and
   renamed into place, so a kill leaves either the old or the new one. Data order depends only on
   ``(seed, step)``, so ``--resume`` continues a killed run with the same batches.
