@@ -84,13 +84,7 @@ def load(args, device: torch.device):
         tok = data.build_bpe_tokenizer()
         cfg = Qwen2Config(vocab_size=151936, max_position_embeddings=32768, pad_token_id=tok.pad_token_id,
                           eos_token_id=tok.eos_token_id, bos_token_id=None, **QWEN_05B)
-        cfg._attn_implementation = "sdpa"
-        if device.type == "cuda":
-            try:
-                import flash_attn  # noqa: F401
-                cfg._attn_implementation = "flash_attention_2"
-            except ImportError:
-                pass
+        cfg._attn_implementation = engine.attn_implementation(device)
         torch.manual_seed(0)
         return (Qwen2ForCausalLM(cfg).to(device).eval(), tok,
                 f"random qwen2.5-0.5b shape ({cfg._attn_implementation}, fp32 weights)")

@@ -301,13 +301,12 @@ def build_bpe_tokenizer(texts: list[str] | None = None, vocab_size: int = 400):
     ChatML chat template. Tags are NOT special: ``</search>`` is at least three tokens (``</`` ``search``
     ``>``), and with the small default vocabulary most names are two or three. Deterministic.
     """
-    from tokenizers import Tokenizer, models, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
     proto = Qwen2Tokenizer()                               # borrow Qwen2's exact pre-tokeniser and decoder
     tok = Tokenizer(models.BPE())
     tok.normalizer = proto.backend_tokenizer.normalizer
     tok.pre_tokenizer = proto.backend_tokenizer.pre_tokenizer
-    from tokenizers import pre_tokenizers
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts or world_texts(), trainer)

@@ -82,18 +82,23 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def attn_implementation(device: torch.device) -> str:
+    """``flash_attention_2`` on CUDA when ``flash_attn`` imports, else ``sdpa``."""
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
 def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
     """A HF causal LM for this device, weights in ``dtype``: fp32 to train (master weights; train.autocast
     gives the bf16 forward), bf16 to evaluate on CUDA. flash-attention-2 on CUDA when installed, else SDPA."""
     from transformers import AutoModelForCausalLM
-    attn = "sdpa"
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-            attn = "flash_attention_2"
-        except ImportError:
-            pass
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                attn_implementation=attn_implementation(device)).to(device)
 
 
 def checkpoint_prompt(path: str) -> str:
