@@ -69,6 +69,7 @@ TAGS = ["<mem>", "</mem>", "<think>", "</think>", "<search>", "</search>", "<acc
 CHAT = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 SYSTEM_PROMPT = "answer all . keep findings in mem"
 UNKNOWN = "unknown"
+PROBE = "probe"         # the think word of the memory reward's probes; the policy never writes it (issue 13)
 SLOT = "_"              # an entity not found yet, in the question and in <mem>
 N_NAMES = 48            # the shared pool of entity names
 N_ENTITIES = 24         # entities in one world
@@ -237,6 +238,29 @@ def answers_from_mem(task: Task, mem: str) -> str:
     return " ; ".join(entries[k][-1] if done(entries.get(k, [])) else UNKNOWN for k in range(len(task.objectives)))
 
 
+def context_answers(task: Task, episode: list[tuple[str, tuple[str, str] | None]], t: int,
+                    context: str = "snail") -> str:
+    """What round t's CONTEXT tells about each objective's answer, as the expert would answer (``unknown`` else).
+
+    The answer of the memory probe's full-context rows (issue 13). ``snail``: round t sees the previous
+    round (its ``<mem>``) and that round's tool result, so an answer is known when the previous ``<mem>``
+    holds it finished or when the previous round's search was the objective's last hop (the tool result
+    shows it). ``full``: every earlier round and result is in the context, so an answer is known once its
+    last hop was searched. A flawed expert's dropped answer is known to the context that still shows it
+    and ``unknown`` to the next ``<mem>``: the "found and dropped" case the reward must see.
+    """
+    if t == 0:
+        return " ; ".join(UNKNOWN for _ in task.objectives)
+    searched = [q for _, q in episode[:t]] if context == "full" else [episode[t - 1][1]]
+    prev = answers_from_mem(task, episode[t - 1][0].split("</mem>")[0].replace("<mem>", "")).split(" ; ")
+    known = [a if a != UNKNOWN and context == "snail" else UNKNOWN for a in prev]
+    for k, obj in enumerate(task.objectives):
+        s, r, o = obj.chain[-1]
+        if (s, r) in searched:
+            known[k] = o
+    return " ; ".join(known)
+
+
 # --------------------------------------------------------------------------- tokenizer and model
 
 def world_vocab() -> list[str]:
@@ -244,7 +268,7 @@ def world_vocab() -> list[str]:
     words = ["<pad>", "<unk>"] + CHAT + TAGS + [UNKNOWN, ";", ":", "=", "?", "|", ",", SLOT] + RELATIONS
     words += [str(k) for k in range(1, 65)] + [f"d{i}" for i in range(MAX_DOC_IDS)]
     words += SYSTEM_PROMPT.split() + ["search", "answer", "not", "found"]
-    words += name_pool()
+    words += name_pool() + [PROBE]
     seen, out = set(), []
     for w in words:
         if w not in seen:

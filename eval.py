@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 
@@ -92,14 +93,15 @@ def memory_diagnostics(trajs: list, tasks: list) -> dict:
             "faithfulness": ratio(faithful), "mem_entries": faithful[1]}
 
 
-TRAIN_MEM_MASK, TRAIN_THRESHOLD = "full", 0.5      # train.Config's defaults (eval.py does not import train.py)
+TRAIN_MEM_MASK, TRAIN_THRESHOLD, TRAIN_THINK = "full", 0.5, "probe"   # train.Config's defaults (no train import)
 
 
-def run_reward_config(checkpoint: str) -> tuple[str, float]:
-    """The memory reward's ``(mem_mask, threshold)`` of the run that wrote ``checkpoint``: its RUN/config.json.
+def run_reward_config(checkpoint: str) -> tuple[str, float, str]:
+    """The memory reward's ``(mem_mask, threshold, probe_think)`` of the run that wrote ``checkpoint``.
 
-    ``checkpoint`` is a run folder or a folder inside one (``final``, ``ckpt``, ``sft``); a checkpoint
-    without a run config (e.g. a hub model) gets the training defaults.
+    Read from its RUN/config.json; ``checkpoint`` is a run folder or a folder inside one (``final``,
+    ``ckpt``, ``sft``). A run from before the probe marker (no ``probe_think`` in its config) scored
+    ``<think> answer``; a checkpoint without a run config (e.g. a hub model) gets the training defaults.
     """
     import os
     for folder in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
@@ -108,28 +110,60 @@ def run_reward_config(checkpoint: str) -> tuple[str, float]:
             with open(path) as f:
                 cfg = json.load(f)
             if "mem_mask" in cfg:                     # RUN/config.json, not a model's config.json
-                return cfg["mem_mask"], float(cfg.get("threshold", TRAIN_THRESHOLD))
-    return TRAIN_MEM_MASK, TRAIN_THRESHOLD
+                return cfg["mem_mask"], float(cfg.get("threshold", TRAIN_THRESHOLD)), cfg.get("probe_think", "answer")
+    return TRAIN_MEM_MASK, TRAIN_THRESHOLD, TRAIN_THINK
 
 
-def p_by_round(model, tokenizer, trajs: list, threshold: float = TRAIN_THRESHOLD,
-               mask_mode: str = TRAIN_MEM_MASK) -> dict:
-    """Mean P_full and P_mem by round index on (eval) trajectories: where does memory carry the answer?
+def _has_fact(text: str, fact: tuple[str, str, str]) -> bool:
+    return f" {' '.join(fact)} " in f" {text} "
 
-    ``mask_mode`` and ``threshold`` should be the run's own (``run_reward_config``), so P_mem here is
-    the P_mem its training reward computed.
+
+def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float = TRAIN_THRESHOLD,
+                   mask_mode: str = TRAIN_MEM_MASK, think: str = TRAIN_THINK, context: str = "snail") -> dict:
+    """The memory reward's two probes where the answer is known (issue 13), on embedded-world trajectories.
+
+    For every scored round (t >= 2 with a ``<mem>``) and objective k: **found** when the round's context
+    shows the objective's last fact ``s r answer`` (a tool result line or an earlier ``<mem>`` path; snail:
+    the previous round and its result, full: every earlier round and result), then **kept** when the
+    round's ``<mem>`` still holds it, else **dropped**; else **not found**. Per label: the mean probability
+    of that objective's answer (all its words) under each probe and the share above ``threshold``. A fair
+    probe is unconfident on both sides when not found, confident on both when kept, and confident in
+    P_full only when dropped. Rounds are labelled too (dropped if any found answer was dropped, kept if
+    some were found and all kept, else none found) with the mean memory reward P_mem - P_full.
     """
-    from reward import memory_rewards
-    m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode)
-    rows: dict[str, list] = {}
-    k = 0
-    for rounds in m["rounds"]:
-        for t in rounds:
-            key = str(t + 1) if t < 8 else "9+"
-            rows.setdefault(key, []).append((m["p_full"][k], m["p_mem"][k]))
-            k += 1
-    return {key: {"p_full": sum(a for a, _ in v) / len(v), "p_mem": sum(b for _, b in v) / len(v), "n": len(v)}
-            for key, v in sorted(rows.items(), key=lambda kv: (len(kv[0]), kv[0]))}
+    from memory import extract_mem
+    from reward import memory_rewards, template_objectives
+    m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode, think=think)
+    acc: dict[str, list] = {"not found": [], "kept": [], "dropped": []}
+    by_round: dict[str, list] = {"none found": [], "kept": [], "dropped": []}
+    k_reward = {}
+    for i, rs in enumerate(m["rounds"]):
+        for t, r in zip(rs, m["rewards"][i]):
+            k_reward[(i, t)] = r
+    for r, (i, t) in enumerate(m.get("scored", [])):
+        tr = trajs[i]
+        tools = [rec.text for rec in tr.records if rec.type in ("search_results", "webpage")]
+        lo = 0 if context == "full" else t - 1
+        seen = " ".join(x.text for x in tr.rounds[lo:t]) + " " + " ".join(tools[lo:t])
+        mem = extract_mem(tr.rounds[t].text) or ""
+        objs = torch.tensor(template_objectives(tr.golds))
+        labels = []
+        for k, obj in enumerate(tasks[tr.group_id].objectives):
+            cols = (objs == k).nonzero().flatten()
+            lp_full, lp_mem = m["word_logp_full"][r, cols].sum().item(), m["word_logp_mem"][r, cols].sum().item()
+            fact = obj.chain[-1]
+            label = "not found" if not _has_fact(seen, fact) else "kept" if _has_fact(mem, fact) else "dropped"
+            acc[label].append((math.exp(lp_full), math.exp(lp_mem)))
+            labels.append(label)
+        rl = "dropped" if "dropped" in labels else "kept" if "kept" in labels else "none found"
+        by_round[rl].append(k_reward[(i, t)])
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
+    out = {lab: {"n": len(v), "p_full": mean([a for a, _ in v]), "p_mem": mean([b for _, b in v]),
+                 "conf_full": mean([float(a > threshold) for a, _ in v]),
+                 "conf_mem": mean([float(b > threshold) for _, b in v])} for lab, v in acc.items()}
+    out["reward_by_round"] = {lab: {"n": len(v), "mem_reward": mean(v)} for lab, v in by_round.items()}
+    out["empty_frac"] = m["empty_frac"]
+    return out
 
 
 def run_episodes(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
@@ -311,20 +345,44 @@ def plot_compare(res: dict, folder: str) -> list[str]:
 
 def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int, hops: tuple[int, int],
              system_prompt: str = data.SYSTEM_PROMPT, mask_mode: str = TRAIN_MEM_MASK,
-             threshold: float = TRAIN_THRESHOLD) -> dict:
-    """Memory diagnostics (retention by rounds-ago, faithfulness, drift) and P_full / P_mem by round."""
+             threshold: float = TRAIN_THRESHOLD, think: str = TRAIN_THINK, probe_temperature: float = 1.0,
+             probe_turns: int = 16) -> dict:
+    """Memory diagnostics (retention by rounds-ago, faithfulness, drift), P_full / P_mem by round, and the
+    probes split by found / kept / dropped (``probe_by_found``).
+
+    Retention and P by round come from greedy episodes; the probe split from episodes sampled at
+    ``probe_temperature`` (seeded) with training's turn limit, the rollouts the RL reward scores.
+    """
     agent = greedy_agent("snail", max_turns, system_prompt=system_prompt)
+    sampled = AgentConfig(system_prompt=system_prompt, context="snail", max_turns=probe_turns,
+                          max_new_tokens=agent.max_new_tokens, temperature=probe_temperature)
     out = {}
     for k in ks:
         tasks, tool = embedded_tasks(k, n, 0, split, hops)
         trajs = run_episodes(model, tokenizer, tasks, tool, agent)
-        out[k] = memory_diagnostics(trajs, tasks) | {"p_by_round": p_by_round(model, tokenizer, trajs, threshold, mask_mode)}
+        out[k] = memory_diagnostics(trajs, tasks) | {"p_by_round": p_by_round(model, tokenizer, trajs, threshold,
+                                                                              mask_mode, think)}
+        torch.manual_seed(k)
+        strajs = [t for i in range(0, len(tasks), 64)
+                  for t in rollout(model, tokenizer, tasks[i:i + 64], 1, tool, sampled)]
+        for j, t in enumerate(strajs):
+            t.group_id = j
+        out[k]["probe"] = probe_by_found(model, tokenizer, strajs, tasks, threshold, mask_mode, think)
         d = out[k]
         print(f"K={k}: retention {d['retention']:.3f}  faithfulness {d['faithfulness']:.3f}  "
               f"by rounds-ago {json.dumps({a: round(v, 3) for a, v in d['retention_by_ago'].items()})}  "
               f"drift {json.dumps({a: round(v, 3) for a, v in d['retention_drift'].items()})}")
         print("      P_full / P_mem by round: " + "  ".join(
             f"{r}: {v['p_full']:.2f}/{v['p_mem']:.2f}" for r, v in d["p_by_round"].items()))
+        pr = d["probe"]
+        if pr:
+            print(f"      probes (T={probe_temperature}, think={think!r}), answer P full/mem [confident share] by "
+                  "objective: " + "  ".join(f"{lab}: {v['p_full']:.2f}/{v['p_mem']:.2f} [{v['conf_full']:.2f}/"
+                                            f"{v['conf_mem']:.2f}] n={v['n']}" for lab, v in pr.items()
+                                            if lab in ("not found", "kept", "dropped")))
+            print("      memory reward by round: " + "  ".join(
+                f"{lab}: {v['mem_reward']:+.3f} n={v['n']}" for lab, v in pr["reward_by_round"].items())
+                  + f"  empty masks {pr['empty_frac']:.2f}")
     return out
 
 
@@ -394,6 +452,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="which held-out worlds")
     p.add_argument("--hops", default="1-3", help="hops per objective, e.g. 1-3")
     p.add_argument("--diagnostics", action="store_true", help="also print memory retention / faithfulness / P by round")
+    p.add_argument("--probe-think", default="", help="with --diagnostics: the probes' think word (default: the run's)")
     p.add_argument("--plot", default="", metavar="FOLDER", help="with --compare: write F1-vs-K and retention PNGs here")
     p.add_argument("--data", default="", help="QA file (JSONL/parquet) instead of the embedded world")
     p.add_argument("--corpus", default="", help="corpus JSONL for --data")
@@ -449,10 +508,11 @@ def main(argv=None) -> None:
     out = {"checkpoint": args.checkpoint, "context": args.context, "max_turns": args.max_turns,
            "results": {str(k): v for k, v in results.items()}}
     if args.diagnostics and not args.data:
-        mask_mode, threshold = run_reward_config(args.checkpoint)        # P_mem as the run's reward saw it
+        mask_mode, threshold, think = run_reward_config(args.checkpoint)  # P_mem as the run's reward saw it
+        think = args.probe_think or think
         out["diagnostics"] = {str(k): v for k, v in diagnose(model, tokenizer, args.objectives, args.tasks,
                                                              args.split, args.max_turns, (a, b), prompt,
-                                                             mask_mode, threshold).items()}
+                                                             mask_mode, threshold, think).items()}
         out["diagnostics_mem_mask"] = mask_mode
     print(json.dumps(out))
 

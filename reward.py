@@ -192,25 +192,45 @@ def outcome_reward(traj: Trajectory) -> dict:
 
 # --------------------------------------------------------------------------- memory reward
 
-def answer_template(tokenizer, golds: list[list[str]], think: str = "answer") -> tuple[list[int], list[int]]:
-    """`` <think> {think} </think> <answer> g1 ; g2 </answer>`` -> (ids, ans_mask), 1 on gold tokens only.
+def answer_template(tokenizer, golds: list[list[str]], think: str = "probe") -> tuple[list[int], list[int]]:
+    """`` <think> {think} </think> <answer> g1 ; g2 </answer>`` -> (ids, ans_mask); ans_mask[j] = w > 0 on gold word w.
 
     The text is encoded ONCE, so the ids are exactly the tokenizer's own encoding of it (per-piece
     encoding differs from it on BPE wherever a gold holds punctuation, digits or CJK), and a token is
-    gold when its characters overlap a gold answer's (offset mapping). The leading space makes the
-    template start a new word after whatever context precedes it.
+    gold when its characters overlap a gold answer's (offset mapping). ``ans_mask`` numbers the gold
+    WORDS (1, 2, ... in order, whitespace-split, objective by objective; ``template_objectives`` maps
+    them back) so that a word split into several BPE pieces is judged as one word; as a boolean it is
+    the usual gold mask. The leading space makes the template start a new word after any context.
+    ``think`` = ``probe`` (data.PROBE): the probes' own marker, which the policy learns to answer after
+    (SFT probe rows) and never writes itself (issue 13); ``answer`` is what the expert writes.
     """
     text, spans = f" <think> {think} </think> <answer>", []
     for k, aliases in enumerate(golds):
         text += " ;" if k else ""
-        gold = aliases[0] if aliases else ""
-        if gold:
-            spans.append((len(text) + 1, len(text) + 1 + len(gold)))
-            text += " " + gold
+        for word in (aliases[0] if aliases else "").split():
+            spans.append((len(text) + 1, len(text) + 1 + len(word)))
+            text += " " + word
     text += " </answer>"
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(a < e and s < b for s, e in spans)) for a, b in enc["offset_mapping"]]
+    mask = [next((w + 1 for w, (s, e) in enumerate(spans) if a < e and s < b), 0) for a, b in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
+
+
+def template_objectives(golds: list[list[str]]) -> list[int]:
+    """Objective index of each gold word of ``answer_template`` (word w + 1 of its mask -> entry w)."""
+    return [k for k, aliases in enumerate(golds) for _ in (aliases[0] if aliases else "").split()]
+
+
+def word_logprobs(logp: Tensor, word_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Token log-probs (B, A) + word numbers (B, A) -> word log-probs (B, W) and the words present (B, W).
+
+    A word's log-prob is the sum over its tokens (log p of the whole word), so on a BPE tokenizer a
+    name's predictable continuation pieces cannot make it look confident on their own; with one
+    token a word (the word-level world) this is the token's own log-prob.
+    """
+    W = int(word_mask.max()) if word_mask.numel() else 0
+    onehot = torch.nn.functional.one_hot(word_mask.long(), W + 1)[..., 1:].to(logp.dtype)   # (B, A, W)
+    return torch.einsum("ba,baw->bw", logp, onehot), onehot.sum(1) > 0
 
 
 PAD_LIMIT = 1024    # padding tokens a scoring micro-batch may carry before a new one starts (see bench.py)
@@ -278,7 +298,7 @@ def mem_grounded(mem: str, sources: list[str]) -> bool:
 
 
 def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float = 0.5,
-                   mask_mode: str = "separate", think: str = "answer",
+                   mask_mode: str = "separate", think: str = "probe",
                    token_budget: int = 8192, gate: bool = False) -> dict:
     """mem_reward = P_mem - P_full for every round >= 2 with a <mem> span, all 2N pairs in one pass.
 
@@ -303,18 +323,21 @@ def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float =
 
     N, A = len(scored), max(len(a) for a in answers)
     logp = torch.zeros(2 * N, A)                                                   # (2N, A)
-    ans_mask = torch.zeros(N, A, dtype=torch.bool)                                 # (N, A)
+    words = torch.zeros(N, A, dtype=torch.long)                                    # (N, A) gold word numbers
     for r, lp in enumerate(logps):
         logp[r, :len(lp)] = lp
     for r, (i, _) in enumerate(scored):
-        ans_mask[r, :len(templates[i][1])] = torch.tensor(templates[i][1], dtype=torch.bool)
-    logp_full, logp_mem = logp[:N], logp[N:]
+        words[r, :len(templates[i][1])] = torch.tensor(templates[i][1], dtype=torch.long)
+    # per gold WORD (sum of its tokens' log-probs), so confidence means "the whole name"
+    logp_full, ans_mask = word_logprobs(logp[:N], words)                           # (N, W)
+    logp_mem, _ = word_logprobs(logp[N:], words)
     log_thr = math.log(threshold) if threshold > 0 else -math.inf
     conf_full = logp_full > log_thr
     conf_mem = conf_full if mask_mode == "full" else logp_mem > log_thr
     p_full = answer_prob(logp_full, ans_mask, conf_mask=conf_full)
     p_mem = answer_prob(logp_mem, ans_mask, conf_mask=conf_mem)
     n_full, n_mem = (ans_mask & conf_full).sum(-1), (ans_mask & conf_mem).sum(-1)
+    out["scored"], out["word_logp_full"], out["word_logp_mem"] = scored, logp_full, logp_mem
 
     out["ungrounded"] = 0
     for r, (i, t) in enumerate(scored):

@@ -94,11 +94,12 @@ def test_run_reward_config_reads_the_run_not_the_model_config(tmp_path):
     from eval import run_reward_config
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    assert run_reward_config(str(tmp_path / "final")) == (train.Config().mem_mask, train.Config().threshold)
+    assert run_reward_config(str(tmp_path / "final")) == (train.Config().mem_mask, train.Config().threshold,
+                                                         train.Config().probe_think)
     (tmp_path / "config.json").write_text(json.dumps({"mem_mask": "separate", "threshold": 0.3, "seed": 0}))
-    assert run_reward_config(str(tmp_path)) == ("separate", 0.3)
-    assert run_reward_config(str(tmp_path / "final")) == ("separate", 0.3)
-    assert run_reward_config(str(tmp_path / "final") + "/") == ("separate", 0.3)
+    assert run_reward_config(str(tmp_path)) == ("separate", 0.3, "answer")        # a run from before the marker
+    assert run_reward_config(str(tmp_path / "final")) == ("separate", 0.3, "answer")
+    assert run_reward_config(str(tmp_path / "final") + "/") == ("separate", 0.3, "answer")
 
 
 def real_replay(tok, task, tool, gid):

@@ -146,9 +146,9 @@ def test_outcome_reward(tok):
 # ---------------------------------------------------------------- answer template and P
 def test_answer_template_marks_gold_tokens(tok):
     a, b, c = NAMES[:3]
-    ids, mask = answer_template(tok, [[a, "other"], [f"{b} {c}"]])
+    ids, mask = answer_template(tok, [[a, "other"], [f"{b} {c}"]], think="answer")
     assert tok.decode(ids) == f"<think> answer </think> <answer> {a} ; {b} {c} </answer>"
-    assert mask == [0, 0, 0, 0, 1, 0, 1, 1, 0]
+    assert mask == [0, 0, 0, 0, 1, 0, 2, 3, 0]                 # gold WORDS numbered in order
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == f"{a} {b} {c}"
     ids, mask = answer_template(tok, [[a]], think="search")
     assert tok.decode(ids) == f"<think> search </think> <answer> {a} </answer>" and sum(mask) == 1

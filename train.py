@@ -78,7 +78,7 @@ import data
 from grpo import (grouped_advantage, memory_advantage, memory_pool_stds, policy_loss, token_advantages,
                   token_logprobs)
 from memory import Record, extract_mem, prepare_prompt, tool_record
-from reward import memory_rewards, outcome_reward
+from reward import answer_template, memory_rewards, outcome_reward
 from rollout import (AgentConfig, SearchTool, checkpoint_prompt, encode_chat, load_model, parse_action,
                      pick_device, rollout)
 
@@ -135,6 +135,8 @@ class Config:
     mem_gate: bool = False         # no memory credit for a <mem> with words from no earlier tool result
     faithful: bool = False         # exactly the paper's memory reward (overrides the four options above)
     sft_mem_answer: float = 0.0    # extra SFT rows per episode round: memory-only context -> answer
+    sft_probe: float = 0.3         # per expert round >= 2: probe rows for both memory-reward contexts (issue 13)
+    probe_think: str = "probe"     # data.PROBE: the probes' think word (the marker the SFT probe rows teach)
     # bookkeeping
     save_every: int = 20
     sft_save_every: int = 500
@@ -190,6 +192,10 @@ def parse_args(argv=None) -> Config:
         "mem_weight": "weight of the memory advantage on <mem> tokens",
         "mem_gate": "faithfulness gate: a <mem> with invented words earns no positive memory reward",
         "faithful": "the paper's memory reward exactly: --mem-mask separate --mem-adv-norm std --mem-weight 1, no gate",
+        "sft_probe": "probability per expert round >= 2 of two extra SFT rows, round context -> answer known so far and "
+                     "prompt + <mem> -> answer held in memory, after a '<think> probe </think> <answer>' marker "
+                     "that carries no loss: both memory-reward probes in distribution (0 = none)",
+        "probe_think": "think word of the memory reward's answer template (the probe marker; 'answer' = no marker)",
         "sft_mem_answer": "probability per expert round of an extra SFT row (prompt + <mem> -> answer), so P_mem is in distribution", "save_every": "checkpoint every N RL steps",
         "sft_save_every": "checkpoint every N SFT steps",
         "eval_every": "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", "eval_tasks": "tasks per K in the periodic eval",
@@ -381,6 +387,39 @@ def autocast(cfg: Config, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
+def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rng: random.Random, p: float,
+                  system_prompt: str = data.SYSTEM_PROMPT, rounds: set[int] | None = None,
+                  context: str = "snail", think: str = data.PROBE) -> list[Sample]:
+    """Probe rows: teach the policy to answer from BOTH contexts the memory reward scores (issue 13).
+
+    For each expert round t >= 2 (``rounds`` of them; with probability ``p``) two rows, so neither probe is
+    favoured: ``full_traj`` (the round's context as the agent saw it, no forced prefix) -> the answers that
+    context holds (``data.context_answers``), and ``mem_traj`` (prompt + the round's ``<mem>``) -> the
+    answers that memory holds (``data.answers_from_mem``); ``unknown`` where there is none. Both end in
+    the reward's own template ``<think> probe </think> <answer> a1 ; a2 </answer>``; the loss starts at the
+    first answer word, so the marker (``<think> probe``) is never learnt as an output: the policy's own
+    choice after ``</mem>`` (search or answer) gets no gradient from these rows and it does not learn to
+    stop early (what ``--sft-mem-answer`` rows, which do train ``<think> answer``, did).
+    """
+    episode = data.expert_episode(task, forget)
+    records = [Record("prompt", task.question)]
+    prompt_ids = encode_chat(tokenizer, prepare_prompt(records, system_prompt))
+    out = []
+    for t, (text, q) in enumerate(episode):
+        if t >= 1 and (rounds is None or t in rounds) and rng.random() < p:
+            ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None if context == "full" else 1))
+            mem_ctx = prompt_ids + tokenizer.encode(f"<mem> {extract_mem(text)} </mem>", add_special_tokens=False)
+            for c, answer in ((ctx, data.context_answers(task, episode, t, context)),
+                              (mem_ctx, data.answers_from_mem(task, extract_mem(text)))):
+                ids, words = answer_template(tokenizer, [[a] for a in answer.split(" ; ")], think)
+                first = next(j for j, w in enumerate(words) if w)
+                out.append(Sample(c + ids, len(c) + first))
+        records.append(Record("llm_gen", text))
+        if q is not None:
+            records.append(tool_record("search_results", tool.search(" ".join(q))))
+    return out
+
+
 def file_batch(tokenizer, cfg: Config, step: int, trajectories: list[dict], system_prompt: str) -> list[Sample]:
     """A batch of ``cfg.sft_batch`` rounds from a chat-format trajectory file (``--sft-data``): 4 rounds an episode."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
@@ -402,13 +441,17 @@ def sft_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
     # curriculum: one objective first (short contexts, where copying is learnt), all K by 40% of steps
     ks = ks[: max(1, round(len(ks) * (step - cfg.sft_copy_steps) / (0.4 * cfg.sft_steps)))]
     out: list[Sample] = []
+    probes: list[Sample] = []
     while len(out) < cfg.sft_batch:
         task = data.make_task(world, rng, rng.choice(ks), (hops[0], hops[-1]))
         n_rounds = len(data.expert_episode(task))                        # the same count with or without forgetting
         keep = set(rng.sample(range(n_rounds), min(n_rounds, 4)))        # a few rounds per episode: more episodes
-        out += expert_samples(tokenizer, task, tool, rng.random() < cfg.forget_p, mem_answer=cfg.sft_mem_answer,
-                              rng=rng, rounds=keep)
-    return out[: cfg.sft_batch]
+        forget = rng.random() < cfg.forget_p
+        out += expert_samples(tokenizer, task, tool, forget, mem_answer=cfg.sft_mem_answer, rng=rng, rounds=keep)
+        if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay
+            probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, rounds=keep,
+                                    context=cfg.train_context, think=cfg.probe_think)
+    return out[: cfg.sft_batch] + probes
 
 
 def copy_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
@@ -542,7 +585,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         if cfg.algo == "mempo":
             with autocast(cfg, model.device):
                 mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
-                                     gate=cfg.mem_gate)
+                                     think=cfg.probe_think, gate=cfg.mem_gate)
             mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
         m["sec_reward"] = time.time() - t0
 
