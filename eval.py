@@ -123,9 +123,11 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
     """The memory reward's two probes where the answer is known (issue 13), on embedded-world trajectories.
 
     For every scored round (t >= 2 with a ``<mem>``) and objective k: **found** when the round's context
-    shows the objective's last fact ``s r answer`` (a tool result line or an earlier ``<mem>`` path; snail:
-    the previous round and its result, full: every earlier round and result), then **kept** when the
-    round's ``<mem>`` still holds it, else **dropped**; else **not found**. Per label: the mean probability
+    holds the objective's last fact ``s r answer``: an earlier ``<mem>`` entry k holds it, or an earlier round
+    searched ``s r`` and its result shows it (snail: the previous round only; full: every earlier one). A
+    fact shown as a side hit of another query does not count (nothing in the context says it answers k).
+    Then **kept** when the
+    round's ``<mem>`` entry k still holds it, else **dropped**; else **not found**. Per label: the mean probability
     of that objective's answer (all its words) under each probe and the share above ``threshold``. A fair
     probe is unconfident on both sides when not found, confident on both when kept, and confident in
     P_full only when dropped. Rounds are labelled too (dropped if any found answer was dropped, kept if
@@ -144,15 +146,20 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
         tr = trajs[i]
         tools = [rec.text for rec in tr.records if rec.type in ("search_results", "webpage")]
         lo = 0 if context == "full" else t - 1
-        seen = " ".join(x.text for x in tr.rounds[lo:t]) + " " + " ".join(tools[lo:t])
-        mem = extract_mem(tr.rounds[t].text) or ""
+        entry = lambda text, k: " ".join(data.parse_mem(extract_mem(text) or "").get(k, []))   # objective k's path
+
+        def found(k: int, fact: tuple[str, str, str]) -> bool:   # an earlier <mem> entry k holds it, or its search showed it
+            return any(_has_fact(entry(x.text, k), fact)
+                       or (x.action == "search" and parse_action(x.text)[1].split() == list(fact[:2])
+                           and j < len(tools) and _has_fact(tools[j], fact))
+                       for j, x in enumerate(tr.rounds[lo:t], lo))
         objs = torch.tensor(template_objectives(tr.golds))
         labels = []
         for k, obj in enumerate(tasks[tr.group_id].objectives):
             cols = (objs == k).nonzero().flatten()
             lp_full, lp_mem = m["word_logp_full"][r, cols].sum().item(), m["word_logp_mem"][r, cols].sum().item()
             fact = obj.chain[-1]
-            label = "not found" if not _has_fact(seen, fact) else "kept" if _has_fact(mem, fact) else "dropped"
+            label = "not found" if not found(k, fact) else "kept" if _has_fact(entry(tr.rounds[t].text, k), fact) else "dropped"
             acc[label].append((math.exp(lp_full), math.exp(lp_mem)))
             labels.append(label)
         rl = "dropped" if "dropped" in labels else "kept" if "kept" in labels else "none found"
@@ -164,6 +171,26 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
     out["reward_by_round"] = {lab: {"n": len(v), "mem_reward": mean(v)} for lab, v in by_round.items()}
     out["empty_frac"] = m["empty_frac"]
     return out
+
+
+def p_by_round(model, tokenizer, trajs: list, threshold: float = TRAIN_THRESHOLD,
+               mask_mode: str = TRAIN_MEM_MASK, think: str = TRAIN_THINK) -> dict:
+    """Mean P_full and P_mem by round index on (eval) trajectories: where does memory carry the answer?
+
+    ``mask_mode`` and ``threshold`` should be the run's own (``run_reward_config``), so P_mem here is
+    the P_mem its training reward computed.
+    """
+    from reward import memory_rewards
+    m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode, think=think)
+    rows: dict[str, list] = {}
+    k = 0
+    for rounds in m["rounds"]:
+        for t in rounds:
+            key = str(t + 1) if t < 8 else "9+"
+            rows.setdefault(key, []).append((m["p_full"][k], m["p_mem"][k]))
+            k += 1
+    return {key: {"p_full": sum(a for a, _ in v) / len(v), "p_mem": sum(b for _, b in v) / len(v), "n": len(v)}
+            for key, v in sorted(rows.items(), key=lambda kv: (len(kv[0]), kv[0]))}
 
 
 def run_episodes(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,

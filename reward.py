@@ -14,14 +14,30 @@ trajectory i and every round t >= 2 that wrote a ``<mem>`` span:
     full_traj[i,t] = the exact context the model saw before round t (the original's deepcopy of
                      raw_input_ids: earlier rounds and tool results; no forced prefix)
     mem_traj[i,t]  = initial prompt (system + question) + round t cut right after </mem>
-    answer         = "<think> answer </think> <answer> g1 ; ... ; gK </answer>",
-                     ans_mask = 1 on the gold tokens only
+    answer         = "<think> probe </think> <answer> g1 ; ... ; gK </answer>",
+                     ans_mask = the gold WORDS (numbered; every piece of a word carries its number)
 
 All 2N (context, answer) pairs go through ONE batched no-grad forward pass; logp = log p of each
-answer token. Then, with mask = ans_mask & (logp > log thr) on each side,
+answer token, summed over each gold word's tokens (log p of the whole word). Then, with
+mask = ans_mask & (logp_word > log thr) on each side,
 
-    P        = exp(mean(logp over mask))      geometric-mean probability of confident gold tokens
+    P        = exp(mean(logp_word over mask))   geometric-mean probability of confident gold words
     mem_reward[i,t] = P_mem - P_full
+
+**Where the probes sit (issue 13, ALGORITHM.md 4.3).** A 7B model answers from any context; a small
+policy only where it has learnt to, and ours had only ever answered after its own last ``<mem>``: after
+a round's context it wrote ``<mem>`` first, so P_full was ~0.01 everywhere and the reward was P_mem
+alone. The choice: keep the paper's ``full_traj`` (the exact context, no forced prefix, no ``<mem>``
+appended: appending the round's own ``<mem>`` would make P_full see the memory too, so a dropped
+fact would still be in its context but a kept one could never add information) and make both probes
+in distribution instead. The template's think word is a marker, ``probe``, that the policy never
+writes; SFT adds probe rows (``train.probe_samples``): the round's context -> the answers that context
+holds, and prompt + ``<mem>`` -> the answers the memory holds, ``unknown`` elsewhere, with no loss on
+the marker. Both probes then ask the same question of two contexts, and P_mem - P_full measures what
+the memory lost (found and dropped: negative) or kept (about 0). Confidence is judged per gold word,
+not per token: on a BPE tokenizer a name's continuation pieces are predictable once its first piece
+is given, so per-token masks counted names the probe could not produce (31% empty masks on the BPE
+run where the word tokenizer had 99%).
 
 The seed's A1 steps: (1) rollout records full_traj and the round's <mem> span for rounds >= 2;
 (2) build mem_traj; (3) concatenate [full_1..full_N, mem_1..mem_N] with the answer repeated
@@ -41,11 +57,12 @@ Choices (the paper and the seed do not fix these):
 * K objectives: score = fraction matched (ALGORITHM.md default); a missing part is "", extra
   parts are ignored; an objective with no aliases never matches. Word F1 follows SQuAD v2
   (both sides empty after normalisation -> 1). K = 0 scores 0.
-* The answer template uses the FIRST alias of each objective and ``think="answer"`` (what the
-  embedded expert writes); it is encoded once and ``ans_mask`` comes from character offsets, so
+* The answer template uses the FIRST alias of each objective and ``think="probe"`` (the marker the
+  SFT probe rows teach; ``--probe-think answer`` is what the expert writes, the template before
+  issue 13); it is encoded once and ``ans_mask`` comes from character offsets, so
   the ids are the tokenizer's own encoding and the mask covers exactly the gold's tokens, for
   word-level and byte-level BPE tokenizers alike (``test_realmodel.py``).
-* An empty mask gives P = 0, never NaN. ``threshold`` <= 0 keeps every gold token.
+* An empty mask gives P = 0, never NaN. ``threshold`` <= 0 keeps every gold word.
 * ``mask_mode="full"`` (an option, not in the paper): both P average over the gold tokens the
   FULL context is confident on, so a memory that lost an objective's answer is penalised
   instead of having those tokens silently dropped from its own mean (with "separate", the

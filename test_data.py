@@ -105,3 +105,28 @@ def test_missing_and_malformed_corpus(tmp_path):
     p.write_text('{"id": 1, "contents": "a"}\n{"id": 2}\n')
     with pytest.raises(data.DataError, match=r"c\.jsonl:2:"):
         data.load_corpus(str(p))
+
+
+def test_context_answers_snail_and_full_on_a_forgetting_episode():
+    # 2 objectives x 2 hops: searches in rounds 1-4, objective 1's answer shown to round 3, objective 2's to
+    # round 5 (the answer round), whose <mem> the flawed expert writes without objective 1
+    world = data.make_world(1)
+    task = next(t for t in (data.make_task(world, random.Random(s), 2, (2, 2)) for s in range(50))
+                if t.golds[0][0] != t.golds[1][0])
+    a1, a2 = task.golds[0][0], task.golds[1][0]
+    ep = data.expert_episode(task, forget=True)
+    snail = [data.context_answers(task, ep, t) for t in range(len(ep))]
+    full = [data.context_answers(task, ep, t, "full") for t in range(len(ep))]
+    u = data.UNKNOWN
+    assert snail == full == [f"{u} ; {u}", f"{u} ; {u}", f"{a1} ; {u}", f"{a1} ; {u}", f"{a1} ; {a2}"]
+    # round 5 (index 4) is "found and dropped": its context shows a1, its own <mem> no longer holds it
+    assert data.answers_from_mem(task, extract_mem(ep[4][0])) == f"{u} ; {a2}"
+    perfect = data.expert_episode(task)
+    assert [data.context_answers(task, perfect, t) for t in range(len(perfect))] == full
+    # 3 one-hop objectives: once the flawed expert dropped answer 1 (round 3), the next snail context lost it too
+    task3 = data.make_task(world, random.Random(7), 3, (1, 1))
+    b1, b2, b3 = (g[0] for g in task3.golds)
+    ep3 = data.expert_episode(task3, forget=True)
+    assert [data.context_answers(task3, ep3, t) for t in range(4)] == [
+        f"{u} ; {u} ; {u}", f"{b1} ; {u} ; {u}", f"{b1} ; {b2} ; {u}", f"{u} ; {b2} ; {b3}"]
+    assert data.context_answers(task3, ep3, 3, "full") == f"{b1} ; {b2} ; {b3}"

@@ -143,3 +143,59 @@ def test_p_by_round_uses_the_training_mask_mode_by_default(sft_run):
     assert got == pytest.approx(by_round("full"), abs=1e-9) and got != pytest.approx(by_round("separate"), abs=1e-9)
     sep = {k: v["p_mem"] for k, v in p_by_round(model, tok, trajs, thr, mask_mode="separate").items()}
     assert sep == pytest.approx(by_round("separate"), abs=1e-9)
+
+
+def snail_replay(tok, task, tool, gid, forget):
+    """An expert episode as the snail agent records it: context = prompt + previous round + its result."""
+    from memory import mem_token_end, prepare_prompt
+    from rollout import encode_chat
+    records = [Record("prompt", task.question)]
+    traj = Trajectory(task.question, task.golds, gid, encode_chat(tok, prepare_prompt(records, data.SYSTEM_PROMPT)),
+                      records)
+    for t, (text, query) in enumerate(data.expert_episode(task, forget)):
+        ids = tok.encode(text, add_special_tokens=False)
+        pre = ids[:1] if t > 0 else []
+        ctx = encode_chat(tok, prepare_prompt(traj.records, data.SYSTEM_PROMPT, 1))
+        traj.rounds.append(Round(ctx, pre, ids[len(pre):], text, mem_token_end(tok, ids), parse_action(text)[0]))
+        traj.records.append(Record("llm_gen", text))
+        if query is not None:
+            traj.records.append(tool_record("search_results", tool.search(" ".join(query))))
+    return traj
+
+
+def test_probe_by_found_labels_match_the_expert_and_probabilities_match_a_direct_call():
+    import math
+    import torch
+    from eval import probe_by_found
+    from memory import extract_mem
+    from reward import answer_logprobs, answer_template
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
+    world, tasks = data.make_tasks(35, 8, [3], (1, 2))
+    tool = SearchTool(world.docs)
+    trajs = [snail_replay(tok, t, tool, i, forget=i % 2 == 0) for i, t in enumerate(tasks)]
+    got = probe_by_found(model, tok, trajs, tasks)
+    # the labels from the expert's own bookkeeping (data.context_answers / answers_from_mem)
+    want = {"not found": 0, "kept": 0, "dropped": 0}
+    rounds = {"none found": 0, "kept": 0, "dropped": 0}
+    for i, task in enumerate(tasks):
+        ep = data.expert_episode(task, forget=i % 2 == 0)
+        for t in range(1, len(ep)):
+            ctx = data.context_answers(task, ep, t).split(" ; ")
+            mem = data.answers_from_mem(task, extract_mem(ep[t][0])).split(" ; ")
+            labels = ["not found" if c == data.UNKNOWN else "kept" if m != data.UNKNOWN else "dropped"
+                      for c, m in zip(ctx, mem)]
+            for lab in labels:
+                want[lab] += 1
+            rounds["dropped" if "dropped" in labels else "kept" if "kept" in labels else "none found"] += 1
+    assert {k: got[k]["n"] for k in want} == want and want["dropped"] > 0 and want["kept"] > 0
+    assert {k: v["n"] for k, v in got["reward_by_round"].items()} == rounds
+    # objective 2's answer under the full probe at round 3 of trajectory 1, recomputed directly
+    ids, words = answer_template(tok, tasks[1].golds)
+    lp = answer_logprobs(model, [trajs[1].rounds[2].context_ids], [ids], tok.pad_token_id)[0]
+    direct = math.exp(sum(lp[j] for j, w in enumerate(words) if w == 2))
+    from reward import memory_rewards
+    m = memory_rewards(model, tok, [trajs[1]], mask_mode="full")
+    r = m["scored"].index((0, 2))
+    assert math.exp(m["word_logp_full"][r, 1].item()) == pytest.approx(direct, rel=1e-5)
+    assert torch.isfinite(m["word_logp_mem"]).all()

@@ -180,7 +180,34 @@ def test_answer_template_is_the_tokenizers_own_encoding_and_masks_exactly_the_go
                 cur.append(i)
             elif cur:
                 runs, cur = runs + [tok.decode(cur).strip()], []
-        assert runs == [g[0] for g in golds]                       # each gold exactly, nothing else
+        words = [w for g in golds for w in g[0].split()]
+        assert " ".join(runs).split() == words                     # each gold exactly, nothing else
+        # word numbers: every gold word's pieces share one number, words numbered 1, 2, ... in order
+        assert sorted(set(mask) - {0}) == list(range(1, len(words) + 1))
+        for w, word in enumerate(words, 1):
+            assert tok.decode([i for i, m in zip(t_ids, mask) if m == w]).strip() == word
+
+
+def test_probe_confidence_is_per_word_on_bpe(real):
+    """A name in several BPE pieces counts as confident only when the whole name is (sum of its pieces)."""
+    from reward import answer_prob, word_logprobs
+    _, tok = real
+    t_ids, mask = answer_template(tok, [["kalovu"], ["bobi"]])
+    pieces = [j for j, m in enumerate(mask) if m == 1]
+    assert len(pieces) >= 2                                        # the fixture's BPE splits this name
+    logp = torch.full((1, len(t_ids)), -5.0)
+    logp[0, pieces[0]] = -2.0                                      # first piece unlikely (p 0.14) ...
+    for j in pieces[1:]:
+        logp[0, j] = -0.01                                         # ... continuation pieces near certain
+    for j in (j for j, m in enumerate(mask) if m == 2):
+        logp[0, j] = -0.1 / sum(m == 2 for m in mask)              # "bobi": p 0.905 as a whole word
+    wl, present = word_logprobs(logp, torch.tensor([mask]))
+    assert wl.shape == (1, 2) and present.tolist() == [[True, True]]
+    assert wl[0, 0].item() == pytest.approx(-2.0 - 0.01 * (len(pieces) - 1), abs=1e-5)
+    assert wl[0, 1].item() == pytest.approx(-0.1, abs=1e-5)
+    assert answer_prob(wl, present).item() == pytest.approx(0.905, abs=1e-3)   # only "bobi" is confident
+    token_level = answer_prob(logp, torch.tensor([mask]) > 0)                    # the old per-token rule
+    assert token_level.item() > 0.95                                             # counts kalovu's tail pieces
 
 
 def test_mem_span_and_forced_prefix_on_bpe(real):

@@ -348,3 +348,30 @@ def test_expert_samples_renders_only_the_requested_rounds_identically():
         keep = {0, len(full) // 2, len(full) - 1}
         part = train.expert_samples(tok, task, tool, forget=True, rounds=keep)
         assert [(s.ids, s.n_prompt) for s in part] == [(full[t].ids, full[t].n_prompt) for t in sorted(keep)]
+
+
+def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():
+    import random as _random
+    from memory import extract_mem
+    tok = data.build_tokenizer()
+    world = data.make_world(3)
+    task = data.make_task(world, _random.Random(1), 2, (1, 2))
+    tool = train.SearchTool(world.docs)
+    ep = data.expert_episode(task, True)
+    rows = train.probe_samples(tok, task, tool, True, _random.Random(0), 1.0)
+    assert len(rows) == 2 * (len(ep) - 1)                       # two rows for every round >= 2, none for round 1
+    policy = train.expert_samples(tok, task, tool, True)
+    for t in range(1, len(ep)):
+        full, mem = rows[2 * (t - 1)], rows[2 * (t - 1) + 1]
+        ctx = policy[t].ids[:policy[t].n_prompt - 1]             # the round's context, without the forced <mem>
+        assert full.ids[:len(ctx)] == ctx
+        assert tok.decode(full.ids[len(ctx):full.n_prompt]) == "<think> probe </think> <answer>"
+        assert tok.decode(full.ids[full.n_prompt:]) == f"{data.context_answers(task, ep, t)} </answer>"
+        assert tok.decode(mem.ids[mem.n_prompt:]) == f"{data.answers_from_mem(task, extract_mem(ep[t][0]))} </answer>"
+        assert tok.decode(mem.ids[:mem.n_prompt]).endswith(f"<mem> {extract_mem(ep[t][0])} </mem> <think> probe </think> <answer>")
+    assert train.probe_samples(tok, task, tool, True, _random.Random(0), 0.0) == []
+    # on top of the batch: the policy rows of a step are the same count with or without probe rows
+    cfg = train.parse_args(["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16"])
+    assert len(train.sft_batch(tok, cfg, 99)) > 16
+    cfg0 = train.parse_args(["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16", "--sft-probe", "0"])
+    assert len(train.sft_batch(tok, cfg0, 99)) == 16

@@ -28,6 +28,11 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
   seed; the paper's own reward, ``--faithful``, lowered held-out F1: its memory advantage paid for
   shorter memories). Plain GRPO (``--algo grpo``) was as good or better; the README states it
   plainly.
+* The SFT cold start adds probe rows (``--sft-probe``, issue 13): at random expert rounds >= 2, the
+  round's context -> the answers it holds, and prompt + ``<mem>`` -> the answers memory holds, after a
+  ``<think> probe </think> <answer>`` marker without loss, on top of the batch's policy rows. Without
+  them the small policy cannot answer right after a context (it always writes ``<mem>`` there), so
+  P_full was ~0 and the memory reward was P_mem alone (reward.py, "Where the probes sit").
 * One optimizer step per rollout batch by default (``--ppo-epochs 1``): then ``old_logp`` is the
   detached ``logp`` of the same forward (ratio 1, exactly on-policy) and no extra forward is spent.
   With more epochs ``old_logp`` is computed once, before the first update.
