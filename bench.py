@@ -25,7 +25,8 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
    (full_traj, mem_traj) contexts of those trajectories in one call vs two calls of N; ratio of the
    two-call time to the one-call time (> 1: the batched pass is faster), plus the max abs difference.
    At ``memory_rewards``' default token budget (8192, ``scoring_speedup``) and at 65536
-   (``scoring_speedup_budget_65536``: one micro-batch padded to the longest full context).
+   (``scoring_speedup_budget_65536``). On CPU both are capped at ``reward.CPU_TOKENS`` (2048), so the two
+   rows time the same batching there (their difference is the noise); on a GPU they differ.
 4. **context growth** (``snail_round_cost_ratio_64_vs_8``): 8 long expert episodes (22 objectives x
    3 hops = 67 rounds) rendered as the agent would see them at rounds 8, 16, 32, 64; one round of
    generation (prefill + 30 new tokens, batch 8) timed at each, ``snail`` vs ``full`` context.
