@@ -26,7 +26,8 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
    two-call time to the one-call time (> 1: the batched pass is faster), plus the max abs difference.
    At ``memory_rewards``' default token budget (8192, ``scoring_speedup``) and at 65536
    (``scoring_speedup_budget_65536``). On CPU both are capped at ``reward.CPU_TOKENS`` (2048), so the two
-   rows time the same batching there (their difference is the noise); on a GPU they differ.
+   rows time the same batching there (their difference is the noise); on a GPU they differ. A call takes a
+   fraction of a second, so this figure takes 5 x ``--repeats`` repeats.
 4. **context growth** (``snail_round_cost_ratio_64_vs_8``): 8 long expert episodes (22 objectives x
    3 hops = 67 rounds) rendered as the agent would see them at rounds 8, 16, 32, 64; one round of
    generation (prefill + 30 new tokens, batch 8) timed at each, ``snail`` vs ``full`` context.
@@ -237,7 +238,7 @@ def bench_scoring(model, tok, device, trajs, repeats: int, budgets=(65536, 8192)
         def two():
             out["two"] = answer_logprobs(model, full, ans, pad, b) + answer_logprobs(model, mem, ans, pad, b)
 
-        t = side_by_side({"one_2n": one, "two_n": two}, repeats, device)
+        t = side_by_side({"one_2n": one, "two_n": two}, 5 * repeats, device)     # a call is short: more repeats
         diff = max((x - y).abs().max().item() for x, y in zip(out["one"], out["two"]))
         res[b] = {"one_2n_s": t["one_2n"], "two_n_s": t["two_n"], "speedup": t["two_n"] / t["one_2n"],
                   "max_abs_diff": diff}
