@@ -192,7 +192,7 @@ def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: 
         agent = AgentConfig(system_prompt=system_prompt, context="snail", max_turns=cfg.max_turns,
                             max_new_tokens=max_new, temperature=temp)
         loops = {"on": (engine.rollout, agent), "off": (engine.rollout, replace(agent, prefix_cache=False)),
-                 "naive": (naive_rollout, agent)}
+                 "naive": (naive_rollout, replace(agent, prefix_cache=False))}     # nothing to reuse there
         seeds = {name: iter(range(10**6)) for name in loops}
         last = {}
 

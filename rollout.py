@@ -12,6 +12,10 @@ a tag's last character decode their tail); finished rows leave the batch (their 
 once they are a quarter of it, since each drop copies the cache. Under bf16 autocast over fp32 weights
 the cache stores keys and values in the autocast dtype.
 Greedy output equals ``model.generate`` token for token (``test_rollout.py``); ``bench.py`` times it.
+Prefix cache (``PrefixCache``, ``AgentConfig.prefix_cache``, on by default): the agent loop prefills each
+question's system prompt + question once per ``rollout`` call and every round of every rollout copies
+those keys / values and prefills only what follows (design, layout and memory cost in its docstring);
+greedy and seeded sampled outputs equal the plain path's. Off, the engine is the plain path above.
 
 Agent loop (``rollout``): per round, for every live trajectory,
 
