@@ -285,8 +285,10 @@ class PrefixCache:
     longest), suffixes left-padded in [P, P + S), pads masked out. The keys carry their rotary position (RoPE
     is applied before caching), so a column's place in the buffer does not matter; position ids still come
     from the mask's cumulative sum, so a row's positions are 0..len-1 as without the cache, and its attention
-    sees exactly the same keys. Greedy outputs equal the uncached engine's (``test_rollout.py``,
-    ``test_realmodel.py``) up to float summation order (batch shapes differ), which moves no token in the tests.
+    sees exactly the same keys. Greedy and seeded sampled outputs equal the uncached engine's (``test_rollout.py``:
+    word-level and byte-level BPE, multi-round) up to float summation order (batch shapes differ), which moved
+    no token in the tests. flash-attention-2 reads the same 2D mask (keys gathered by mask, queries = the last
+    S columns, causal from the bottom right), untested here (no GPU).
 
     Memory: the store holds 2 x layers x kv_heads x head_dim x P values per question, e.g. 12 KiB per token for
     Qwen2.5-0.5B in bf16 (24 layers, 2 kv heads, 64) and 56 KiB for Qwen2.5-7B (28, 4, 128): a 500-token prefix
