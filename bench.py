@@ -13,15 +13,21 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
    ratio. Then greedy parity: both at temperature 0 must give identical tokens.
 2. **multi-turn rollout** (``rollout_speedup``): ``rollout.rollout`` (G = 8 rollouts x 8 questions of
    the RL training distribution, BM25 search tool, snail context, 96 new tokens a round, temperature
-   1) vs the same agent loop whose engine is replaced by a naive one: ``model.generate`` per round,
-   every prompt prefilled in full, finished rows decoding until the longest is done. Both loops
-   build the same per-round prompts (same bookkeeping code); trajectories/s of each and the ratio.
-   At temperature 0 both must write identical trajectories (checked, and timed too).
+   1) with the prefix cache on and off vs the same agent loop whose engine is replaced by a naive one:
+   ``model.generate`` per round, every prompt prefilled in full, finished rows decoding until the longest
+   is done. The three run interleaved, build the same per-round prompts (same bookkeeping code) and use the
+   protocol prompt of the real-model path (``rollout.PROTOCOL_PROMPT``, hundreds of tokens: the prefix the
+   cache saves; a word-level checkpoint reads most of its words as ``<unk>``), then, sampled only, the
+   checkpoint's own system prompt (``rollout_speedup_own_prompt``). Trajectories/s of each, the ratios
+   (``rollout_speedup_no_prefix_cache``, ``rollout_prefix_cache_gain`` = on / off). At temperature 0 all
+   three must write identical trajectories (checked, and timed too).
 3. **memory-reward scoring** (``scoring_speedup``): ``reward.answer_logprobs`` over the 2N
    (full_traj, mem_traj) contexts of those trajectories in one call vs two calls of N; ratio of the
    two-call time to the one-call time (> 1: the batched pass is faster), plus the max abs difference.
    At ``memory_rewards``' default token budget (8192, ``scoring_speedup``) and at 65536
-   (``scoring_speedup_budget_65536``: one micro-batch padded to the longest full context).
+   (``scoring_speedup_budget_65536``). On CPU both are capped at ``reward.CPU_TOKENS`` (2048), so the two
+   rows time the same batching there (their difference is the noise); on a GPU they differ. A call takes a
+   fraction of a second, so this figure takes 5 x ``--repeats`` repeats.
 4. **context growth** (``snail_round_cost_ratio_64_vs_8``): 8 long expert episodes (22 objectives x
    3 hops = 67 rounds) rendered as the agent would see them at rounds 8, 16, 32, 64; one round of
    generation (prefill + 30 new tokens, batch 8) timed at each, ``snail`` vs ``full`` context.
@@ -57,6 +63,7 @@ import random
 import resource
 import statistics
 import time
+from dataclasses import replace
 from unittest import mock
 
 import torch
@@ -66,7 +73,7 @@ import rollout as engine
 import train
 from memory import Record, mem_traj, prepare_prompt, tool_record
 from reward import answer_logprobs, answer_template
-from rollout import AgentConfig, SearchTool, encode_chat, generate, left_pad
+from rollout import PROTOCOL_PROMPT, AgentConfig, SearchTool, encode_chat, generate, left_pad, question_prefix
 
 DEFAULT_CHECKPOINTS = ["runs/default/final", "runs/bench_sft/final"]
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -120,8 +127,9 @@ def side_by_side(fns: dict, repeats: int, device: torch.device) -> dict[str, flo
 # --------------------------------------------------------------------------- the naive reference engine
 
 def hf_generate(model, prompts, max_new_tokens, *, pad_id, eos_id=None, stop_seqs=(), stops=None, temperature=1.0,
-                top_p=1.0, generator=None):
-    """``rollout.generate``'s contract on top of ``model.generate``: re-prefill all, cut each row after its stop."""
+                top_p=1.0, generator=None, prefix_cache=None):
+    """``rollout.generate``'s contract on top of ``model.generate``: re-prefill all (``prefix_cache`` unused),
+    cut each row after its stop."""
     ids, attn = left_pad(prompts, pad_id, model.device)
     ends = [s[0] for s in stop_seqs if len(s) == 1] + ([eos_id] if eos_id is not None else [])
     if stops is not None:     # a stop string that is one token (word-level vocabularies) ends a row in HF too;
@@ -174,37 +182,41 @@ def bench_decode(model, tok, device, n_new: int, repeats: int) -> dict:
             "greedy_parity": greedy_ours == greedy_hf}
 
 
-def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: int) -> dict:
-    """Figure 2: trajectories/s of the agent loop vs the same loop on ``model.generate``; sampled and greedy."""
+def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: int, system_prompt: str,
+                  greedy: bool = True) -> dict:
+    """Figure 2: trajectories/s of the agent loop with the prefix cache on and off vs the same loop on
+    ``model.generate``, all three interleaved; sampled, then greedy (where all three must write the same)."""
     tasks, tool = train.rl_tasks(cfg, step=0)
-    res = {}
-    for temp in (1.0, 0.0):
-        agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context="snail", max_turns=cfg.max_turns,
+    res = {"prefix_tokens": statistics.mean(len(question_prefix(tok, system_prompt, t.question)) for t in tasks)}
+    for temp in (1.0, 0.0) if greedy else (1.0,):
+        agent = AgentConfig(system_prompt=system_prompt, context="snail", max_turns=cfg.max_turns,
                             max_new_tokens=max_new, temperature=temp)
-        seeds = {"ours": iter(range(10**6)), "naive": iter(range(10**6))}
+        loops = {"on": (engine.rollout, agent), "off": (engine.rollout, replace(agent, prefix_cache=False)),
+                 "naive": (naive_rollout, replace(agent, prefix_cache=False))}     # nothing to reuse there
+        seeds = {name: iter(range(10**6)) for name in loops}
         last = {}
 
-        def run(name, loop):
+        def run(name):
             def f():
                 seed = next(seeds[name])
                 torch.manual_seed(seed)
                 gen = torch.Generator(device).manual_seed(seed)
-                last[name] = loop(model, tok, tasks, cfg.group, tool, agent, gen)
+                loop, a = loops[name]
+                last[name] = loop(model, tok, tasks, cfg.group, tool, a, gen)
             return f
 
-        t = side_by_side({"ours": run("ours", engine.rollout), "naive": run("naive", naive_rollout)},
-                         repeats if temp > 0 else max(1, repeats // 2), device)
-        n = len(last["ours"])
+        t = side_by_side({name: run(name) for name in loops}, repeats if temp > 0 else max(1, repeats // 2), device)
+        n = len(last["on"])
         key = "sampled" if temp > 0 else "greedy"
-        res[key] = {"ours_traj_s": n / t["ours"], "naive_traj_s": n / t["naive"], "speedup": t["naive"] / t["ours"],
-                    "rounds_ours": sum(len(x.rounds) for x in last["ours"]) / n,
-                    "rounds_naive": sum(len(x.rounds) for x in last["naive"]) / n}
+        res[key] = {"on_traj_s": n / t["on"], "off_traj_s": n / t["off"], "naive_traj_s": n / t["naive"],
+                    "speedup": t["naive"] / t["on"], "speedup_off": t["naive"] / t["off"],
+                    "on_vs_off": t["off"] / t["on"]} | {f"rounds_{k}": sum(len(x.rounds) for x in v) / n
+                                                        for k, v in last.items()}
         if temp == 0:
-            same = [[r.round_ids for r in a.rounds] == [r.round_ids for r in b.rounds]
-                    for a, b in zip(last["ours"], last["naive"])]
-            res[key]["identical"] = all(same)
+            rounds = {k: [[r.round_ids for r in x.rounds] for x in v] for k, v in last.items()}
+            res[key]["identical"] = rounds["on"] == rounds["off"] == rounds["naive"]
         else:
-            res["trajs"] = last["ours"]
+            res["trajs"] = last["on"]
     return res
 
 
@@ -226,7 +238,7 @@ def bench_scoring(model, tok, device, trajs, repeats: int, budgets=(65536, 8192)
         def two():
             out["two"] = answer_logprobs(model, full, ans, pad, b) + answer_logprobs(model, mem, ans, pad, b)
 
-        t = side_by_side({"one_2n": one, "two_n": two}, repeats, device)
+        t = side_by_side({"one_2n": one, "two_n": two}, 5 * repeats, device)     # a call is short: more repeats
         diff = max((x - y).abs().max().item() for x, y in zip(out["one"], out["two"]))
         res[b] = {"one_2n_s": t["one_2n"], "two_n_s": t["two_n"], "speedup": t["two_n"] / t["one_2n"],
                   "max_abs_diff": diff}
@@ -373,8 +385,12 @@ def main(argv=None) -> None:
 
     with train.autocast(cfg, device):         # the training forward: bf16 autocast on CUDA, fp32 on CPU
         dec = bench_decode(model, tok, device, n_new, repeats)
-        ro = bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens)
-        trajs = ro.pop("trajs")                   # one sampled 8x8 rollout: scored in 3, collated in 6
+        # the real-model path's protocol prompt (hundreds of tokens), then the checkpoint's own prompt (what it trained on)
+        own_prompt = engine.checkpoint_prompt(source) if os.path.isdir(source) else PROTOCOL_PROMPT
+        ro = bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens, PROTOCOL_PROMPT)
+        ro_own = (bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens, own_prompt, greedy=False)
+                  if own_prompt != PROTOCOL_PROMPT else None)
+        trajs = (ro_own or ro).pop("trajs")       # one sampled 8x8 rollout: scored in 3, collated in 6
         sc = bench_scoring(model, tok, device, trajs, repeats)
         pad = bench_padding(trajs, cfg)
         st = bench_train_step(model, tok, device, args.train_steps or (1 if args.quick else 2))   # before 4: peak RSS
@@ -389,13 +405,21 @@ def main(argv=None) -> None:
     row = lambda name, a, b, r, note: print(f"{name:40s} {a:10.3f} {b:10.3f} {r:6.2f}   {note}")
     row(f"1 decode tok/s/1000 (B=64, {n_new} new, T=1)", dec["ours_tok_s"] / 1e3, dec["hf_tok_s"] / 1e3,
         dec["speedup"], f"vs model.generate; greedy parity {dec['greedy_parity']}")
-    row("2 rollout traj/s (8 x G=8, snail, T=1)", s["ours_traj_s"], s["naive_traj_s"], s["speedup"],
-        f"vs model.generate per round; rounds/traj {s['rounds_ours']:.2f} vs {s['rounds_naive']:.2f}")
-    row("  rollout traj/s (same, greedy)", g["ours_traj_s"], g["naive_traj_s"], g["speedup"],
-        f"identical trajectories {g['identical']}")
-    print("  on: prompt prefill shared by identical prompts (the G rollouts of a question, prefilled once,\n"
-          "  cache rows repeated); finished rows dropped; tool output prefilled with the next prompt as one\n"
-          "  chunk; static KV cache; 4D mask passed through; inverse-CDF sampling")
+    cache_note = lambda x: (f"cache off {x['off_traj_s']:.2f} traj/s ({x['speedup_off']:.2f}x naive), on/off "
+                            f"{x['on_vs_off']:.2f}; rounds/traj {x['rounds_on']:.2f} vs {x['rounds_naive']:.2f}")
+    row(f"2 rollout traj/s (8 x G=8, snail, T=1)", s["on_traj_s"], s["naive_traj_s"], s["speedup"],
+        f"protocol prompt ({ro['prefix_tokens']:.0f}-token prefix), prefix cache on vs model.generate per round; "
+        + cache_note(s))
+    row("  rollout traj/s (same, greedy)", g["on_traj_s"], g["naive_traj_s"], g["speedup"],
+        f"{cache_note(g)}; identical trajectories {g['identical']}")
+    if ro_own is not None:
+        o = ro_own["sampled"]
+        row("  rollout traj/s (own prompt, T=1)", o["on_traj_s"], o["naive_traj_s"], o["speedup"],
+            f"the checkpoint's system prompt ({ro_own['prefix_tokens']:.0f}-token prefix); " + cache_note(o))
+    print("  on: system prompt + question prefilled once per question per rollout call (prefix cache), each\n"
+          "  round prefilling only what follows; identical prompts prefilled once (cache rows repeated); finished\n"
+          "  rows dropped; tool output prefilled with the next prompt as one chunk; static KV cache; 4D mask passed\n"
+          "  through; inverse-CDF sampling")
     for b in (65536, 8192):
         if b in sc:
             x = sc[b]
@@ -426,6 +450,9 @@ def main(argv=None) -> None:
     r3 = lambda x: round(x, 3)
     print(json.dumps({
         "decode_speedup": r3(dec["speedup"]), "rollout_speedup": r3(s["speedup"]),
+        "rollout_speedup_no_prefix_cache": r3(s["speedup_off"]), "rollout_prefix_cache_gain": r3(s["on_vs_off"]),
+        "rollout_prefix_tokens": round(ro["prefix_tokens"]),
+        "rollout_speedup_own_prompt": r3(ro_own["sampled"]["speedup"]) if ro_own else None,
         "scoring_speedup": r3(sc[8192]["speedup"]) if sc["n"] else None,
         "snail_round_cost_ratio_64_vs_8": r3(cx["snail_ratio_64_vs_8"]), "padding_waste": r3(pad["after"]),
         "full_round_cost_ratio_64_vs_8": r3(cx["full_ratio_64_vs_8"]), "snail_prompt_growth_64_vs_8": r3(tok_growth),
@@ -433,7 +460,7 @@ def main(argv=None) -> None:
         "padding_waste_unsorted": r3(pad["before"]), "padding_waste_small_budget": r3(pad["small_budget"]),
         "decode_tok_s": {"ours": round(dec["ours_tok_s"]), "hf": round(dec["hf_tok_s"])},
         "greedy_parity": dec["greedy_parity"],
-        "rollout_traj_s": {"ours": r3(s["ours_traj_s"]), "naive": r3(s["naive_traj_s"])},
+        "rollout_traj_s": {"on": r3(s["on_traj_s"]), "off": r3(s["off_traj_s"]), "naive": r3(s["naive_traj_s"])},
         "rollout_greedy_speedup": r3(g["speedup"]), "rollout_greedy_identical": g["identical"],
         "train_step": {k: r3(v) for k, v in st.items()}, "device": str(device), "model": source,
         "step_sec_by_procs": {str(n): r3(x["sec_step"]) for n, x in pr.items()},

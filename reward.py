@@ -70,10 +70,16 @@ Choices (the paper and the seed do not fix these):
 * Micro-batches: rows are sorted by length and split when rows * padded length would exceed
   ``token_budget`` or the micro-batch's padding would pass ``pad_limit`` tokens (length buckets: the
   2N rows mix long full contexts and short memory contexts, and one batch padded to the longest made
-  the single 2N pass slower than two N passes; on 2 CPU cores a limit of 1024 made the 2N pass
-  1.08x / 1.15x the old two passes at budgets 8192 / 65536, where it was 1.11x / 0.70x before; one
-  run on shared cores, noise about 20%);
-  only the last max_answer_len + 1 positions are projected to logits.
+  the single 2N pass slower than two N passes). On CPU the budget is also capped at ``CPU_TOKENS`` =
+  2048: a forward's cost per token grows with its size (the tiny model, 2 cores: +10-18% at 4096 tokens,
+  +40-55% at 8192, measured with the rows' real lengths), so a 2N pass with a large budget packed twice the
+  rows of two N passes into each length bucket and lost (0.83x at budget 65536). Capped, both run
+  forwards of the same size over the same padded tokens: the 2N pass measured 0.98-1.06x two passes
+  (noise about 5%) and both 30% faster than uncapped (2048 beat 3072 and 4096). The budget stays a memory
+  ceiling on GPUs, where bigger forwards are not slower per token. Only the last max_answer_len + 1
+  positions are projected to logits, and log p = logit - logsumexp (no second (b, A, V) tensor).
+  Changing the micro-batches changes float summation order: memory rewards move in the last bits, and
+  RL runs diverge slightly from runs before the cap (as with any batching change).
   Results come back on the CPU in input order. The caller chooses the model's mode (eval).
 
 Mem-alpha (section at the end): r1 (frozen answerer's exact match from core + BM25 top-k of each
@@ -251,6 +257,7 @@ def word_logprobs(logp: Tensor, word_mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 PAD_LIMIT = 1024    # padding tokens a scoring micro-batch may carry before a new one starts (see bench.py)
+CPU_TOKENS = 2048   # token cap of a scoring micro-batch on CPU: past ~2k tokens a forward's per-token cost grows
 
 
 @torch.no_grad()
@@ -261,6 +268,9 @@ def answer_logprobs(model, contexts: list[list[int]], answers: list[list[int]], 
         raise ValueError("every context needs at least one token")
     seqs = [list(c) + list(a) for c, a in zip(contexts, answers)]
     out: list[Tensor] = [torch.zeros(len(a)) for a in answers]
+    device = next(model.parameters()).device
+    if device.type == "cpu":      # the budget is a memory ceiling; on CPU smaller forwards are faster per token
+        token_budget = min(token_budget, CPU_TOKENS)
     # shortest first; a new micro-batch when the budget would be exceeded, or when the batch's padding
     # would pass pad_limit tokens (length buckets: 2N rows of two length profiles pad no more than N + N)
     batches: list[list[int]] = [[]]
@@ -272,7 +282,6 @@ def answer_logprobs(model, contexts: list[list[int]], answers: list[list[int]], 
             real = 0
         batches[-1].append(i)
         real += L
-    device = next(model.parameters()).device
     for rows in batches:
         lens = [len(answers[i]) for i in rows]
         A = max(lens, default=0)
@@ -286,7 +295,8 @@ def answer_logprobs(model, contexts: list[list[int]], answers: list[list[int]], 
         target = torch.zeros((len(rows), A), dtype=torch.long)
         for b, i in enumerate(rows):
             target[b, A - lens[b]:] = torch.tensor(answers[i], dtype=torch.long)
-        logp = logits.log_softmax(-1).gather(-1, target.to(device)[..., None]).squeeze(-1).cpu()
+        # log p = logit - logsumexp: no second (b, A, V) tensor (log_softmax's), which a 152k vocabulary makes large
+        logp = (logits.gather(-1, target.to(device)[..., None]).squeeze(-1) - logits.logsumexp(-1)).cpu()
         for b, i in enumerate(rows):
             out[i] = logp[b, A - lens[b]:]
     return out

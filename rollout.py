@@ -12,6 +12,10 @@ a tag's last character decode their tail); finished rows leave the batch (their 
 once they are a quarter of it, since each drop copies the cache. Under bf16 autocast over fp32 weights
 the cache stores keys and values in the autocast dtype.
 Greedy output equals ``model.generate`` token for token (``test_rollout.py``); ``bench.py`` times it.
+Prefix cache (``PrefixCache``, ``AgentConfig.prefix_cache``, on by default): the agent loop prefills each
+question's system prompt + question once per ``rollout`` call and every round of every rollout copies
+those keys / values and prefills only what follows (design, layout and memory cost in its docstring);
+greedy and seeded sampled outputs equal the plain path's. Off, the engine is the plain path above.
 
 Agent loop (``rollout``): per round, for every live trajectory,
 
@@ -182,28 +186,40 @@ def stop_strings(tokenizer, strings=STOP_STRINGS) -> StopStrings:
     return _STOPS[key]
 
 
+def store_in_autocast_dtype(cache, device: torch.device) -> None:
+    """Under autocast, make ``cache`` store keys and values in the autocast dtype (a no-op otherwise).
+
+    Under bf16 autocast over fp32 weights, RoPE leaves keys in fp32 while values are bf16; a cache holds one
+    dtype, so both are stored in the autocast dtype (attention runs in it anyway)."""
+    if torch.is_autocast_enabled(device.type):
+        dtype, update = torch.get_autocast_dtype(device.type), cache.update
+        cache.update = lambda k, v, *args, **kw: update(k.to(dtype), v.to(dtype), *args, **kw)
+
+
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
              eos_id: int | None = None, stop_seqs: list[list[int]] = (), stops: StopStrings | None = None,
-             temperature: float = 1.0, top_p: float = 1.0,
-             generator: torch.Generator | None = None) -> list[list[int]]:
+             temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+             prefix_cache: PrefixCache | None = None) -> list[list[int]]:
     """Sample continuations of ``prompts`` with a KV cache; each output ends at EOS, a stop token
-    sequence (``stop_seqs``) or a stop string (``stops``), the ending token kept."""
+    sequence (``stop_seqs``) or a stop string (``stops``), the ending token kept. A prompt that starts with
+    a prefix stored in ``prefix_cache`` prefills only the rest (see ``PrefixCache``)."""
     from transformers import StaticCache
     device, B, T = model.device, len(prompts), max_new_tokens
     # identical prompts (the G rollouts of one question) are prefilled once, their cache rows repeated
     first: dict[tuple, int] = {}
     copy_of = [first.setdefault(tuple(p), len(first)) for p in prompts]          # prompt -> unique prompt
-    ids, attn = left_pad([list(p) for p in first], pad_id, device)                 # (U, L)
-    L = ids.shape[1]
+    shared = [prefix_cache.match(p) if prefix_cache is not None else () for p in first]   # () = no prefix
+    ids, attn = left_pad([list(p[len(s):]) for p, s in zip(first, shared)], pad_id, device)   # (U, S)
+    if any(shared):      # columns [0, P) hold the stored prefix keys, right-aligned: [pad | prefix | pad | suffix]
+        attn = torch.cat([prefix_mask(shared, device), attn], dim=1)              # (U, P + S)
+    L = attn.shape[1]
     cache = StaticCache(config=model.config, max_cache_len=L + T)   # written in place: no per-step concat
-    if torch.is_autocast_enabled(device.type):
-        # under bf16 autocast over fp32 weights, RoPE leaves keys in fp32 while values are bf16; the cache
-        # holds one dtype, so both are stored in the autocast dtype (attention runs in it anyway)
-        dtype, update = torch.get_autocast_dtype(device.type), cache.update
-        cache.update = lambda k, v, *args, **kw: update(k.to(dtype), v.to(dtype), *args, **kw)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+    store_in_autocast_dtype(cache, device)
+    if any(shared):
+        prefix_cache.fill(cache, shared, L - ids.shape[1])
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)                                      # (U, L)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos[:, L - ids.shape[1]:], past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]   # (U, V)
     if len(first) < B:
         rep = torch.tensor(copy_of, device=device)
@@ -251,6 +267,95 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: in
         logits = model(input_ids=tok[:, None], attention_mask=mask[:, None, None] if as_4d else mask,
                        position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]   # (b, V)
     return [row[:n] for row, n in zip(out.tolist(), n_out.tolist())]
+
+
+# --------------------------------------------------------------------------- the prefix cache
+
+class PrefixCache:
+    """Keys and values of shared prompt prefixes, prefilled once and copied into every batch that starts with one.
+
+    Every round of every rollout of a question starts with the same system prompt + question (the agent loop's
+    ``question_prefix``; with a real model's natural-language protocol prompt that is hundreds of tokens, most
+    of a snail round's prompt). ``add`` prefills those prefixes once, in one left-padded forward over a
+    ``DynamicCache``, and keeps each prefix's keys / values, per layer (kv_heads, P, head_dim). ``generate``
+    then asks ``match`` for the longest stored prefix of each prompt and prefills only the rest (the suffix).
+
+    Layout of a batch: rows hold prefixes of different lengths (one per question) and suffixes of different
+    lengths, so each row is ``[pad | prefix | pad | suffix]``: prefixes right-aligned in columns [0, P) (P the
+    longest), suffixes left-padded in [P, P + S), pads masked out. The keys carry their rotary position (RoPE
+    is applied before caching), so a column's place in the buffer does not matter; position ids still come
+    from the mask's cumulative sum, so a row's positions are 0..len-1 as without the cache, and its attention
+    sees exactly the same keys. Greedy and seeded sampled outputs equal the uncached engine's (``test_rollout.py``:
+    word-level and byte-level BPE, multi-round) up to float summation order (batch shapes differ), which moved
+    no token in the tests. flash-attention-2 reads the same 2D mask (keys gathered by mask, queries = the last
+    S columns, causal from the bottom right), untested here (no GPU).
+
+    Memory: the store holds 2 x layers x kv_heads x head_dim x P values per question, e.g. 12 KiB per token for
+    Qwen2.5-0.5B in bf16 (24 layers, 2 kv heads, 64) and 56 KiB for Qwen2.5-7B (28, 4, 128): a 500-token prefix
+    costs 6 / 28 MiB per question, for the length of one ``rollout`` call (the weights change after it, so the
+    store must not outlive it). A batch's static cache is as large as before plus the gap between a short
+    prefix and the longest one. Compute: the prefix's projections and MLP run once per question instead of once
+    per round and rollout; attention over the prefix keys is still paid per round.
+
+    Models whose layers are not all full attention (sliding windows) get no prefixes stored (the plain path).
+    """
+
+    def __init__(self):
+        self.kv: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}   # prefix -> [(K, V) per layer]
+        self.lengths: list[int] = []                                                     # stored lengths, longest first
+
+    @torch.inference_mode()
+    def add(self, model, prefixes: list[list[int]], pad_id: int) -> None:
+        """Prefill the ``prefixes`` not stored yet (one forward over all of them) and keep their keys / values."""
+        from transformers import DynamicCache
+        if any(t != "full_attention" for t in getattr(model.config, "layer_types", None) or ()):
+            return
+        new = list(dict.fromkeys(tuple(p) for p in prefixes if p and tuple(p) not in self.kv))
+        if not new:
+            return
+        device = model.device
+        ids, attn = left_pad([list(p) for p in new], pad_id, device)                   # (n, L)
+        cache = DynamicCache(config=model.config)
+        store_in_autocast_dtype(cache, device)
+        model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+              past_key_values=cache, use_cache=True, logits_to_keep=1)
+        L = ids.shape[1]
+        for i, p in enumerate(new):                # clones: the batch's padded tensors are freed
+            self.kv[p] = [(layer.keys[i, :, L - len(p):].clone(), layer.values[i, :, L - len(p):].clone())
+                          for layer in cache.layers]
+        self.lengths = sorted({len(p) for p in self.kv}, reverse=True)
+
+    def match(self, prompt) -> tuple[int, ...]:
+        """The longest stored prefix of ``prompt`` that leaves at least one token to prefill; () when none."""
+        for n in self.lengths:
+            if n < len(prompt) and tuple(prompt[:n]) in self.kv:
+                return tuple(prompt[:n])
+        return ()
+
+    def fill(self, cache, shared: list[tuple[int, ...]], width: int) -> None:
+        """Write row r's prefix ``shared[r]`` into columns [width - len, width) of every layer of a fresh
+        ``StaticCache`` and start its writing at column ``width``."""
+        rows: dict[tuple, list[int]] = {}
+        for r, s in enumerate(shared):
+            if s:
+                rows.setdefault(s, []).append(r)
+        some = self.kv[next(iter(rows))]
+        for i, layer in enumerate(cache.layers):
+            k, v = some[i]                                                              # (h, P, d)
+            layer.lazy_initialization(k.new_zeros(len(shared), k.shape[0], 1, k.shape[-1]),
+                                      v.new_zeros(len(shared), v.shape[0], 1, v.shape[-1]))
+            for s, r in rows.items():
+                idx = torch.tensor(r, device=k.device)
+                layer.keys[idx, :, width - len(s):width] = self.kv[s][i][0]             # broadcast over the rows
+                layer.values[idx, :, width - len(s):width] = self.kv[s][i][1]
+            layer.cumulative_length.fill_(width)
+
+
+def prefix_mask(shared: list[tuple[int, ...]], device) -> torch.Tensor:
+    """(U, P) attention mask of right-aligned prefixes, P the longest: 1 on each row's last len(prefix) columns."""
+    P = max(len(s) for s in shared)
+    lens = torch.tensor([len(s) for s in shared], device=device)
+    return (torch.arange(P, device=device) >= P - lens[:, None]).long()
 
 
 # --------------------------------------------------------------------------- tools
@@ -324,12 +429,23 @@ class AgentConfig:
     top_p: float = 1.0
     mem_prefix: bool = True      # force "<mem>" at the start of rounds >= 2
     webpage_chars: int = 100
+    prefix_cache: bool = True    # prefill system + question once per question (PrefixCache); False: every round in full
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Chat messages -> ids with the assistant turn opened."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def question_prefix(tokenizer, system_prompt: str, question: str) -> list[int]:
+    """Ids every round's context of ``question`` starts with (system prompt + question as the chat template
+    renders them): the common start of round 1's prompt and a later round's, less round 1's last token."""
+    first = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], system_prompt))
+    later = encode_chat(tokenizer, prepare_prompt([Record("prompt", question), Record("llm_gen", "<mem>"),
+                                                   tool_record("search_results", "<information>")], system_prompt))
+    n = next((i for i, (a, b) in enumerate(zip(first, later)) if a != b), min(len(first), len(later)))
+    return first[:min(n, len(first) - 1)]
 
 
 def cut_at_stop(text: str, strings=STOP_STRINGS) -> str:
@@ -363,6 +479,11 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cf
         prompt_ids = encode_chat(tokenizer, prepare_prompt(records, cfg.system_prompt, keep))
         for _ in range(group_size):
             trajs.append(Trajectory(task.question, task.golds, gid, prompt_ids, list(records)))
+    cache = None
+    if cfg.prefix_cache:         # lives for this call only: the weights change after it
+        cache = PrefixCache()
+        cache.add(model, [question_prefix(tokenizer, cfg.system_prompt, t.question) for t in tasks],
+                  tokenizer.pad_token_id)
     for turn in range(cfg.max_turns):
         live = [t for t in trajs if not t.done]
         if not live:
@@ -374,7 +495,7 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cf
             prefixes.append(prefix_ids if turn > 0 else [])
         outs = generate(model, [c + p for c, p in zip(contexts, prefixes)], cfg.max_new_tokens,
                         pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, stops=stops,
-                        temperature=cfg.temperature, top_p=cfg.top_p, generator=generator)
+                        temperature=cfg.temperature, top_p=cfg.top_p, generator=generator, prefix_cache=cache)
         for t, ctx, pre, out in zip(live, contexts, prefixes, outs):
             text = cut_at_stop(tokenizer.decode(pre + out))     # ids stay exactly as sampled
             kind, body = parse_action(text)

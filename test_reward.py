@@ -362,3 +362,20 @@ def test_answer_logprobs_buckets_two_length_profiles_with_the_same_numbers(tok):
     with torch.no_grad():
         for c, a, g, o in zip(contexts, answers, got, one):
             assert torch.allclose(g, _naive_logprobs(model, c, a), atol=1e-5) and torch.allclose(g, o, atol=1e-5)
+
+
+def test_answer_logprobs_caps_cpu_micro_batches_at_cpu_tokens_whatever_the_budget(tok):
+    from reward import CPU_TOKENS
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=5)
+    rng = random.Random(2)
+    vocab = list(range(2, len(tok)))
+    contexts = [[rng.choice(vocab) for _ in range(rng.randint(55, 60))] for _ in range(48)]   # ~2900 tokens
+    answers = [[rng.choice(vocab) for _ in range(3)] for _ in contexts]
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(kw["input_ids"].shape), with_kwargs=True)
+    got = answer_logprobs(model, contexts, answers, tok.pad_token_id, token_budget=65536)
+    hook.remove()
+    assert len(shapes) == 2 and all(b * L <= CPU_TOKENS for b, L in shapes) and sum(b for b, _ in shapes) == 48
+    with torch.no_grad():
+        for c, a, g in zip(contexts[:6], answers, got):
+            assert torch.allclose(g, _naive_logprobs(model, c, a), atol=1e-5)

@@ -230,3 +230,146 @@ def test_accessed_page_reaches_the_next_snail_context_as_its_first_100_character
         ctx2 = traj.rounds[1].context_ids
         assert _contains(ctx2, tok.encode(shown, add_special_tokens=False))
         assert _contains(ctx2, tok.encode(names[35], add_special_tokens=False)) == (context == "full")
+
+
+# ---------------------------------------------------------------- the prefix cache (issue 16)
+class SearchesAfter(torch.nn.Module):
+    """A real model that writes ``free`` tokens of its own, then ``<search> name </search>``: from the ``free``-th
+    new token of a ``generate`` call on, a row is pushed to ``chain[0]``, and after ``chain[i]`` to ``chain[i + 1]``
+    (a Markov script: a cached forward sees only its newest token). Its own tokens may not repeat the newest one
+    (a random tiny model copies its input), so they are runner-up choices of the real logits: rounds run on, one
+    search each, and a cache that changed the logits would change what they write."""
+
+    def __init__(self, inner, chain, free=4):
+        super().__init__()
+        self.inner, self.config, self.free, self.step = inner, inner.config, free, 0
+        self.next = dict(zip(chain, chain[1:]))
+        self.first = chain[0]
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def forward(self, input_ids, **kw):
+        self.step = 0 if "logits_to_keep" in kw else self.step + 1   # a prefill starts a call; decode steps count
+        out = self.inner(input_ids=input_ids, **kw)
+        for b, t in enumerate(input_ids[:, -1].tolist()):          # the kept logit is the newest token's
+            if self.step < self.free:
+                out.logits[b, -1, t] -= 1e4
+            else:
+                out.logits[b, -1, self.next[t] if self.step > self.free and t in self.next else self.first] += 1e4
+        return out
+
+
+def distinct_ids(tok, text: str, avoid=frozenset()) -> list[int]:
+    """Ids whose decoded pieces concatenate to ``text``, no id twice and none in ``avoid`` (so the Markov
+    script is a function, and no prompt ends inside it)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    if len(set(ids)) == len(ids) and not set(ids) & avoid and tok.decode(ids) == text:
+        return ids
+    pieces: dict[str, int] = {}
+    for i, t in enumerate(tok.batch_decode([[i] for i in range(len(tok))])):
+        if t and i not in tok.all_special_ids:
+            pieces.setdefault(t, i)
+
+    def split(rest, used):
+        if not rest:
+            return []
+        for n in range(len(rest), 0, -1):
+            i = pieces.get(rest[:n])
+            if i is not None and i not in used and (tail := split(rest[n:], used | {i})) is not None:
+                return [i] + tail
+        return None
+    return split(text, frozenset(avoid))
+
+
+def searching_agent(tok, inner):
+    bpe = "Ġ" in tok.convert_ids_to_tokens(tok.encode(" x", add_special_tokens=False))[0]
+    name = data.name_pool()[0]          # BPE: ">" ends the forced "<mem>", so the tags close with ">." and ">\n"
+    text = f"<search>. {name} </search>\n" if bpe else f"<search> {name} </search>"
+    return SearchesAfter(inner, distinct_ids(tok, text, set(tok.encode("<mem>", add_special_tokens=False))))
+
+
+def counted_rollout(model, tok, tasks, group, tool, cfg, seed=None):
+    """rollout + the number of real (unpadded) tokens its prefill forwards took in."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        if "logits_to_keep" in kwargs:                           # a prefill; decode steps keep every logit
+            q = kwargs["input_ids"].shape[1]
+            seen.append(int(kwargs["attention_mask"][:, -q:].sum()))
+    h = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        return rollout(model, tok, tasks, group, tool, cfg, gen), sum(seen)
+    finally:
+        h.remove()
+
+
+def check_prefix_cache(model, tok, system_prompt, temperature):
+    from rollout import question_prefix
+    w, tasks = data.make_tasks(5, 3, [1, 2, 3])
+    tool = SearchTool(w.docs)
+    runs = {}
+    for on in (False, True):
+        cfg = AgentConfig(system_prompt=system_prompt, max_turns=4, max_new_tokens=24, temperature=temperature,
+                          prefix_cache=on)
+        runs[on] = counted_rollout(model, tok, tasks, 3, tool, cfg, seed=0 if temperature > 0 else None)
+    (off, n_off), (on, n_on) = runs[False], runs[True]
+    assert [[r.round_ids for r in t.rounds] for t in on] == [[r.round_ids for r in t.rounds] for t in off]
+    assert [[r.context_ids for r in t.rounds] for t in on] == [[r.context_ids for r in t.rounds] for t in off]
+    rounds = [len(t.rounds) for t in off]
+    assert sum(n >= 2 for n in rounds) >= len(rounds) // 2 and max(rounds) == 4          # multi-round
+    # hand count of prefilled tokens: off = every distinct prompt of every round in full; on = each question's
+    # prefix once + what follows it in every distinct prompt
+    P = [len(question_prefix(tok, system_prompt, t.question)) for t in tasks]
+    assert len(set(P)) > 1 and min(P) > 0                        # prefixes of different lengths
+    want_off = want_on = 0
+    for turn in range(max(rounds)):
+        prompts = {tuple(t.rounds[turn].context_ids + t.rounds[turn].prefix_ids): t.group_id
+                   for t in off if len(t.rounds) > turn}
+        for ids, g in prompts.items():
+            assert list(ids[:P[g]]) == question_prefix(tok, system_prompt, tasks[g].question)
+            want_off += len(ids)
+            want_on += len(ids) - P[g]
+    assert n_off == want_off and n_on == want_on + sum(P)
+    return off, n_on / n_off
+
+
+def test_prefix_cache_equals_plain_prefill_and_prefills_each_question_once(tiny):
+    tok, inner = tiny
+    model = searching_agent(tok, inner)
+    off, ratio = check_prefix_cache(model, tok, data.SYSTEM_PROMPT, 0.0)
+    assert ratio < 0.7
+    out = [r.output_ids for t in off for r in t.rounds]
+    assert len({tuple(o[:3]) for o in out}) >= 4                 # the model's own tokens differ by context
+    check_prefix_cache(model, tok, data.SYSTEM_PROMPT, 1.0)      # sampled: rollouts of a question differ
+
+
+def test_prefix_cache_on_a_bpe_qwen2_with_the_protocol_prompt(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rollout import PROTOCOL_PROMPT
+    path = data.save_random_checkpoint(str(tmp_path / "qwen"))
+    tok, inner = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    model = searching_agent(tok, inner)
+    _, ratio = check_prefix_cache(model, tok, PROTOCOL_PROMPT, 0.0)
+    assert ratio < 0.4                                           # the protocol prompt is most of every round
+    check_prefix_cache(model, tok, PROTOCOL_PROMPT, 1.0)
+
+
+def test_engine_prefix_cache_rows_of_mixed_prefixes_equal_plain_prefill(tiny):
+    """Direct engine check: three stored prefixes of different lengths, suffixes of different lengths, a row
+    with no stored prefix, and a row that IS a stored prefix (nothing left to prefill: it gets a shorter one)."""
+    from rollout import PrefixCache
+    tok, model = tiny
+    rng = random.Random(4)
+    draw = lambda n: [rng.randrange(5, len(tok)) for _ in range(n)]
+    prefixes = [draw(n) for n in (3, 17, 30)]
+    prompts = [p + draw(rng.randint(1, 12)) for p in prefixes for _ in range(3)] + [draw(9), prefixes[1]]
+    prompts.append(prefixes[0] + prompts[0][3:])                 # a duplicate prompt: prefilled once
+    cache = PrefixCache()
+    cache.add(model, prefixes + [prefixes[1][:5]], tok.pad_token_id)
+    assert cache.match(prefixes[1]) == tuple(prefixes[1][:5]) and cache.match(draw(40)) in ((),)
+    plain = generate(model, prompts, 16, pad_id=tok.pad_token_id, temperature=0.0)
+    cached = generate(model, prompts, 16, pad_id=tok.pad_token_id, temperature=0.0, prefix_cache=cache)
+    assert cached == plain

@@ -228,6 +228,7 @@ def test_train_context_reaches_the_rollout_agent():
     assert train.agent_config(train.parse_args(["--train-context", "full"])).context == "full"
     agent = train.agent_config(train.parse_args(["--temperature", "0.7", "--max-turns", "3"]))
     assert (agent.context, agent.temperature, agent.max_turns) == ("snail", 0.7, 3)
+    assert agent.prefix_cache and not train.agent_config(train.parse_args(["--no-prefix-cache"])).prefix_cache
 
 
 TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--sft-batch", "8", "--sft-steps", "12",

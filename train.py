@@ -125,6 +125,7 @@ class Config:
     max_turns: int = 16
     max_new_tokens: int = 96
     temperature: float = 1.0
+    prefix_cache: bool = True      # prefill system + question once per question per step (rollout.PrefixCache)
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float = 0.0
@@ -187,6 +188,8 @@ def parse_args(argv=None) -> Config:
         "lr": "RL learning rate", "train_context": "snail | full: the context RL rollouts see",
         "max_turns": "max rounds per training rollout", "max_new_tokens": "max tokens per round",
         "temperature": "sampling temperature (also divides logits in the loss)",
+        "prefix_cache": "prefill each question's system prompt + question once per step and reuse its KV cache in "
+                        "every round and rollout (--no-prefix-cache: every round prefills its whole prompt)",
         "clip_low": "PPO clip below 1", "clip_high": "PPO clip above 1", "dual_clip": "dual clip c for A<0 (0 = off)",
         "kl_coef": "k3 KL to the initial policy (0 = no reference model)",
         "agg": "token-mean | seq-mean-token-mean | seq-mean-token-sum", "ppo_epochs": "update passes per batch",
@@ -220,8 +223,9 @@ def parse_args(argv=None) -> Config:
         flag = "--" + name.replace("_", "-")
         if name == "run":      # torchrun reads any "--run..." as its own --run-path: --run-dir gets through
             p.add_argument("--run-dir", "--run", dest="run", default=default, help=helps[name] + " (alias --run)")
-        elif isinstance(default, bool):
-            p.add_argument(flag, action="store_true", help=helps[name])
+        elif isinstance(default, bool):        # on by default: --flag / --no-flag
+            p.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true", default=default,
+                           help=helps[name])
         else:
             p.add_argument(flag, type=type(default), default=default, help=helps[name])
     cfg = Config(**vars(p.parse_args(argv)))
@@ -682,7 +686,7 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
 def agent_config(cfg: Config, system_prompt: str = data.SYSTEM_PROMPT) -> AgentConfig:
     """The agent of training rollouts: sampled at ``--temperature``, ``--train-context`` snail | full."""
     return AgentConfig(system_prompt=system_prompt, context=cfg.train_context, max_turns=cfg.max_turns,
-                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, prefix_cache=cfg.prefix_cache)
 
 
 def reference_model(model, cfg: Config, start: int):
