@@ -93,7 +93,7 @@ def memory_diagnostics(trajs: list, tasks: list) -> dict:
             "faithfulness": ratio(faithful), "mem_entries": faithful[1]}
 
 
-TRAIN_MEM_MASK, TRAIN_THRESHOLD, TRAIN_THINK = "full", 0.5, "probe"   # train.Config's defaults (no train import)
+TRAIN_MEM_MASK, TRAIN_THRESHOLD, TRAIN_THINK = "separate", 0.5, "probe"   # train.Config's defaults (no train import)
 
 
 def run_reward_config(checkpoint: str) -> tuple[str, float, str]:

@@ -221,7 +221,7 @@ def test_faithful_sets_its_four_options():
     assert (cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.mem_gate, cfg.threshold) == ("separate", "std", 1.0,
                                                                                             False, 0.5)
     d = train.parse_args([])
-    assert (d.mem_mask, d.mem_adv_norm, d.mem_weight, d.mem_gate) == ("full", "nonzero", 1.0, False)
+    assert (d.mem_mask, d.mem_adv_norm, d.mem_weight, d.mem_gate) == ("separate", "std", 1.0, False)  # the paper's
 
 
 def test_train_context_reaches_the_rollout_agent():

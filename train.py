@@ -22,12 +22,12 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
 * ``--train-context`` defaults to ``snail`` although the original trains with ``full`` context:
   the embedded SFT data and every evaluation use snail-shell context, and the seed's problem 4
   (train/eval drift) is exactly this difference. ``--train-context full`` reproduces the original.
-* The memory reward defaults to ``--mem-mask full --mem-adv-norm nonzero``, the best MemPO
-  variant on the validation worlds of the README's study on the default 3-layer model (the
-  per-round pool, best on the older 2-layer model, made the 3-layer policy loop at K=4 in every
-  seed; the paper's own reward, ``--faithful``, lowered held-out F1: its memory advantage paid for
-  shorter memories). Plain GRPO (``--algo grpo``) was as good or better; the README states it
-  plainly.
+* The memory reward defaults to the paper's own (``--mem-mask separate --mem-adv-norm std``, weight 1,
+  no gate: what ``--faithful`` pins), the best of three arms on the validation worlds once both probes
+  were fair (issue 13 study: MemPO faithful, MemPO ``--mem-mask full --mem-adv-norm nonzero``, GRPO;
+  3 seeds each, intervals overlapping; README). Before the fair probe, ``full`` / ``nonzero`` was the
+  best MemPO variant and the paper's reward lowered held-out F1 (its memory advantage paid for shorter
+  memories, STUDIES.md).
 * The SFT cold start adds probe rows (``--sft-probe``, issue 13): at random expert rounds >= 2, the
   round's context -> the answers it holds, and prompt + ``<mem>`` -> the answers memory holds, after a
   ``<think> probe </think> <answer>`` marker without loss, on top of the batch's policy rows. Without
@@ -135,8 +135,8 @@ class Config:
     micro_tokens: int = 2048   # padded tokens per micro-batch; on 2 cores 2048 beat 4096 by ~17% (less padding)
     grad_clip: float = 1.0
     threshold: float = 0.5
-    mem_mask: str = "full"         # full (this project's default, README results) | separate (seed, --faithful)
-    mem_adv_norm: str = "nonzero"  # nonzero (default: zero rewards left out) | std (paper) | none | round
+    mem_mask: str = "separate"     # separate (the paper's, default since the fair probe) | full (both over P_full's)
+    mem_adv_norm: str = "std"      # std (the paper's, default) | nonzero (zero rewards left out) | none | round
     mem_weight: float = 1.0
     mem_gate: bool = False         # no memory credit for a <mem> with words from no earlier tool result
     faithful: bool = False         # exactly the paper's memory reward (overrides the four options above)
