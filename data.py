@@ -951,3 +951,54 @@ def chunks_answer(chunks: list[str], question: str) -> str:
             elif w[:2] == words[:2] and len(w) >= 3:
                 answer = NONE_ANSWER if w[2] == "ended" else w[-1]
     return answer
+
+
+# --- Mem-alpha: a word-level tokenizer that writes JSON (ALGORITHM.md section 2)
+"""``build_memalpha_tokenizer``: every word of the task is ONE token wherever it stands, and JSON round-trips.
+
+Why: with the byte-level BPE (``build_bpe_tokenizer``) a name reads `` pigo`` in the chunk but ``p`` ``igo``
+after the ``"`` that opens a JSON string (Qwen2's pre-tokeniser puts the space on the word, the quote
+on its own), so "copy the fact into the insert" was a learnt token-to-token MAPPING, and a 3-layer
+model did not learn it in 660 SFT steps (results/MEMALPHA.md). Here copying is a pointer step, as in
+MemPO's word-level world.
+
+How: a ``WordLevel`` model behind a ``Split`` pre-tokeniser (regex, leftmost alternative wins) with,
+in order: the JSON glue of a tool call as whole tokens (``<tool_call>{"name": "``, ``", "arguments": {"``,
+``": "``, ``", "``, ``"}}</tool_call>``); every word of the task (names, relations, verbs, tool and argument
+names, prompt words, day numbers) between word boundaries; any other single character (a space, a
+newline, one character of a random memory id). The decoder concatenates (``Fuse``), so
+``decode(encode(text)) == text`` for any text of printable ASCII; a character outside the vocabulary
+is ``<|endoftext|>`` (unk). Specials and chat template are ChatML's, as the BPE tokenizer's.
+"""
+TOOL_JSON_GLUE = ['<tool_call>{"name": "', '", "arguments": {"', '"}}</tool_call>', '": "', '", "']
+
+
+def memalpha_words() -> list[str]:
+    """Every word the Mem-alpha task writes (world names, relations, verbs, tools, prompts), deduplicated."""
+    from memory import ANSWER_SYSTEM, MEMORY_TYPES, TOOL_ARGS, TRUNCATED, WRITER_SYSTEM
+    words = name_pool() + RELATIONS + EVENT_VERBS + list(MEMORY_TYPES) + list(TOOL_ARGS)
+    words += [a for req, opt in TOOL_ARGS.values() for a in req + opt]
+    words += (WRITER_SYSTEM + " " + ANSWER_SYSTEM).split() + [TRUNCATED, NONE_ANSWER, UNKNOWN]
+    words += "day is now ended on when latest report question chunk more not shown empty system user assistant".split()
+    words += [str(k) for k in range(100)]
+    return list(dict.fromkeys(w for w in words if _re.fullmatch(r"\w+", w)))
+
+
+def build_memalpha_tokenizer():
+    """The word-level ChatML tokenizer of the Mem-alpha task (see this section's notes). Deterministic."""
+    import string
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = memalpha_words()
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = list(dict.fromkeys(CHATML_SPECIALS + TOOL_JSON_GLUE + words + chars))
+    glue = "|".join(_re.escape(g) for g in TOOL_JSON_GLUE)
+    names = "|".join(sorted(words, key=len, reverse=True))          # longest first: memory_type before memory
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token=CHATML_SPECIALS[0]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(rf"{glue}|\b(?:{names})\b|[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=CHATML_SPECIALS[0], pad_token=CHATML_SPECIALS[0],
+                                 eos_token="<|im_end|>", additional_special_tokens=CHATML_SPECIALS[1:],
+                                 clean_up_tokenization_spaces=False)
+    hf.chat_template = CHATML_TEMPLATE
+    return hf

@@ -522,3 +522,36 @@ def test_sft_batches_copy_phase_then_all_rows():
     targets = [tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True) for r in rows]
     assert len(rows) == 8 and any(not t.startswith("<tool_call>") for t in targets)   # answerer rows too
     assert train.memalpha_sft_batch(tok, cfg, 2)[0].ids == rows[0].ids              # deterministic per step
+
+
+# --------------------------------------------------------------------------- the word-level tokenizer
+
+def test_word_tokenizer_names_are_one_token_in_the_chunk_and_in_the_json():
+    tok = data.build_memalpha_tokenizer()
+    chunk = "day 3 : pigo mother bufa ."
+    call = tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "pigo mother bufa"})
+    pieces = lambda s: [tok.decode([i]) for i in tok.encode(s, add_special_tokens=False)]
+    assert pieces(chunk) == ["day", " ", "3", " ", ":", " ", "pigo", " ", "mother", " ", "bufa", " ", "."]
+    assert pieces(call) == ['<tool_call>{"name": "', "new_memory_insert", '", "arguments": {"', "memory_type",
+                            '": "', "semantic", '", "', "content", '": "', "pigo", " ", "mother", " ", "bufa",
+                            '"}}</tool_call>']
+    # a random id is spelt by characters; a word inside a longer word is not split out
+    assert pieces('"memory_id": "ka0x"') == ['"', "memory_id", '": "', "k", "a", "0", "x", '"']
+    assert pieces("memory_types") == list("memory_types")
+
+
+def test_word_tokenizer_round_trips_every_text_of_the_task_and_saves(tmp_path):
+    from transformers import AutoTokenizer
+    tok = data.build_memalpha_tokenizer()
+    texts = data.memalpha_texts(n=10) + ['{"name": "memory_delete"} ~!@#$%^&*()\n\t[x] <tool_call>{"name": "']
+    for t in texts:
+        ids = tok.encode(t, add_special_tokens=False)
+        assert tok.unk_token_id not in ids and tok.decode(ids) == t
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    msgs = [{"role": "user", "content": texts[0]}]
+    assert encode_chat(again, msgs) == encode_chat(tok, msgs)
+    assert again.eos_token == "<|im_end|>" and tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
+    assert train.memalpha_tokenizer(kind="word").get_vocab() == tok.get_vocab()
+    with pytest.raises(ValueError):
+        train.memalpha_tokenizer(kind="chars")

@@ -1210,6 +1210,7 @@ class MemAlphaConfig:
     layers: int = 3
     heads: int = 8
     ffn: int = 256
+    tokenizer: str = "word"      # word: data.build_memalpha_tokenizer (names are one token) | bpe
     vocab: int = 800
     answerer: str = ""           # HF path of r1's frozen answerer; empty = a frozen copy after SFT
     chunks: int = 4
@@ -1246,7 +1247,8 @@ MEMALPHA_HELP = {
     "run": "output folder", "seed": "seed of worlds, data order and sampling", "device": "auto | cpu | cuda",
     "algo": "memalpha", "hidden": "hidden size of the tiny model", "layers": "layers of the tiny model",
     "heads": "attention heads of the tiny model", "ffn": "MLP width of the tiny model",
-    "vocab": "BPE vocabulary size", "answerer": "HF path of r1's frozen answerer (default: frozen copy after SFT)",
+    "tokenizer": "word (one token per word of the task, JSON glue as tokens) | bpe (byte-level BPE, --vocab)",
+    "vocab": "BPE vocabulary size (--tokenizer bpe)", "answerer": "HF path of r1's frozen answerer (default: frozen copy after SFT)",
     "chunks": "chunks per instance", "facts_per_chunk": "new facts per chunk",
     "questions_per_instance": "questions per instance", "flaw_p": "share of SFT instances whose writer never revises",
     "sft_steps": "SFT cold-start steps (0 skips)",
@@ -1270,8 +1272,13 @@ def parse_memalpha_args(argv) -> MemAlphaConfig:
     return MemAlphaConfig(**vars(p.parse_args(argv)))
 
 
-def memalpha_tokenizer(vocab: int = 800, seed: int = 0):
-    """The byte-level BPE tokenizer trained on the world's text and this task's chunks and tool calls."""
+def memalpha_tokenizer(vocab: int = 800, seed: int = 0, kind: str = "bpe"):
+    """``kind`` word: ``data.build_memalpha_tokenizer``; bpe: the byte-level BPE tokenizer trained on the
+    world's text and this task's chunks and tool calls."""
+    if kind == "word":
+        return data.build_memalpha_tokenizer()
+    if kind != "bpe":
+        raise ValueError(f"--tokenizer must be word or bpe, not {kind!r}")
     return data.build_bpe_tokenizer(data.world_texts(seed=seed) + data.memalpha_texts(seed=seed), vocab)
 
 
@@ -1377,7 +1384,7 @@ def run_memalpha(cfg: MemAlphaConfig) -> None:
         json.dump(asdict(cfg), f, indent=1)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
-    tokenizer = memalpha_tokenizer(cfg.vocab, cfg.seed)
+    tokenizer = memalpha_tokenizer(cfg.vocab, cfg.seed, cfg.tokenizer)
     model = data.build_tiny_model(tokenizer, cfg.hidden, cfg.layers, cfg.heads, cfg.ffn, seed=cfg.seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
