@@ -960,15 +960,21 @@ Why: with the byte-level BPE (``build_bpe_tokenizer``) a name reads `` pigo`` in
 after the ``"`` that opens a JSON string (Qwen2's pre-tokeniser puts the space on the word, the quote
 on its own), so "copy the fact into the insert" was a learnt token-to-token MAPPING, and a 3-layer
 model did not learn it in 660 SFT steps (results/MEMALPHA.md). Here copying is a pointer step, as in
-MemPO's word-level world.
+MemPO's word-level world: ``pigo mother bufa`` is the same three tokens in the chunk and in the call.
 
-How: a ``WordLevel`` model behind a ``Split`` pre-tokeniser (regex, leftmost alternative wins) with,
-in order: the JSON glue of a tool call as whole tokens (``<tool_call>{"name": "``, ``", "arguments": {"``,
-``": "``, ``", "``, ``"}}</tool_call>``); every word of the task (names, relations, verbs, tool and argument
-names, prompt words, day numbers) between word boundaries; any other single character (a space, a
-newline, one character of a random memory id). The decoder concatenates (``Fuse``), so
-``decode(encode(text)) == text`` for any text of printable ASCII; a character outside the vocabulary
-is ``<|endoftext|>`` (unk). Specials and chat template are ChatML's, as the BPE tokenizer's.
+How: a ``WordLevel`` model behind two ``Split`` pre-tokenisers (regexes; the leftmost alternative wins):
+1. a space between a word character and a known word of 2+ characters is dropped (the decoder puts it
+   back), so the words of a fact are adjacent tokens as in the chunk: a space token between them made
+   every copy step a two-back match, and the copy plateau lasted ~900 steps (measured);
+2. the rest is cut into the JSON glue of a tool call as whole tokens (``<tool_call>{"name": "``,
+   ``", "arguments": {"``, ``": "``, ``", "``, ``"}}</tool_call>``), every word of the task (names,
+   relations, verbs, tool and argument names, prompt words, numbers 0-99) between word boundaries, and
+   any other single character (a space that is kept, a newline, one character of a random memory id).
+The decoder marks every token of 2+ word characters, joins all tokens (``Fuse``) and turns a mark after
+a word character into a space: ``decode(encode(text)) == text`` for any printable-ASCII text (a word
+token is preceded by a word character only where step 1 dropped a space). A character outside the
+vocabulary is ``<|endoftext|>`` (unk). Specials and chat template are ChatML's, as the BPE tokenizer's.
+Meant for the embedded world: text of unknown words is spelt one character a token.
 """
 TOOL_JSON_GLUE = ['<tool_call>{"name": "', '", "arguments": {"', '"}}</tool_call>', '": "', '", "']
 
@@ -992,11 +998,15 @@ def build_memalpha_tokenizer():
     words = memalpha_words()
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
     vocab = list(dict.fromkeys(CHATML_SPECIALS + TOOL_JSON_GLUE + words + chars))
+    alt = lambda ws: "|".join(sorted(ws, key=len, reverse=True))      # longest first: memory_type before memory
     glue = "|".join(_re.escape(g) for g in TOOL_JSON_GLUE)
-    names = "|".join(sorted(words, key=len, reverse=True))          # longest first: memory_type before memory
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token=CHATML_SPECIALS[0]))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(rf"{glue}|\b(?:{names})\b|[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(rf"(?<=\w) (?=(?:{alt(w for w in words if len(w) > 1)})\b)"), behavior="removed"),
+        pre_tokenizers.Split(Regex(rf"{glue}|\b(?:{alt(words)})\b|[\s\S]"), behavior="isolated")])
+    mark = "\x02"                                                      # never in the text: not in the vocabulary
+    tok.decoder = decoders.Sequence([decoders.Replace(Regex(r"^(?=\w{2,}$)"), mark), decoders.Fuse(),
+                                     decoders.Replace(Regex(rf"(?<=\w){mark}"), " "), decoders.Replace(mark, "")])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=CHATML_SPECIALS[0], pad_token=CHATML_SPECIALS[0],
                                  eos_token="<|im_end|>", additional_special_tokens=CHATML_SPECIALS[1:],
                                  clean_up_tokenization_spaces=False)

@@ -507,6 +507,18 @@ def test_evaluate_memalpha_runs_all_three_methods():
     count = lambda s: len(tok.encode(s))
     assert res["rag_top2"]["memory_tokens"] == sum(count(c.text) for i in insts for c in i.chunks) / 2
     assert res["memalpha"]["memory_tokens"] == 0 and res["memalpha"]["tool_success"] == 0.0   # never calls
+    with_ceiling = ev.evaluate_memalpha(model, model, tok, insts, max_new_tokens=8, scripted=True)
+    assert {m: r["accuracy"] for m, r in with_ceiling.items() if m != "scripted"} == \
+        {m: r["accuracy"] for m, r in res.items()}
+    from memory import StructuredMemory
+    sizes = []
+    for inst in insts:                                  # naive reference: the teacher's memory, token-counted
+        mem = StructuredMemory(512, count, seed=0)
+        for c in inst.chunks:
+            data.writer_calls(mem, c)
+        sizes.append(sum(count(x) for x in [mem.core] + [t for _, t in mem.entries("semantic") + mem.entries("episodic")]))
+    assert with_ceiling["scripted"]["memory_tokens"] == sum(sizes) / 2 > 0
+    assert with_ceiling["scripted"]["questions"] == n_q
 
 
 def test_sft_batches_copy_phase_then_all_rows():
@@ -531,10 +543,12 @@ def test_word_tokenizer_names_are_one_token_in_the_chunk_and_in_the_json():
     chunk = "day 3 : pigo mother bufa ."
     call = tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "pigo mother bufa"})
     pieces = lambda s: [tok.decode([i]) for i in tok.encode(s, add_special_tokens=False)]
-    assert pieces(chunk) == ["day", " ", "3", " ", ":", " ", "pigo", " ", "mother", " ", "bufa", " ", "."]
+    # a space before a known word of 2+ characters is implicit: the words of a fact are adjacent tokens
+    assert pieces(chunk) == ["day", " ", "3", " ", ":", " ", "pigo", "mother", "bufa", " ", "."]
     assert pieces(call) == ['<tool_call>{"name": "', "new_memory_insert", '", "arguments": {"', "memory_type",
-                            '": "', "semantic", '", "', "content", '": "', "pigo", " ", "mother", " ", "bufa",
+                            '": "', "semantic", '", "', "content", '": "', "pigo", "mother", "bufa",
                             '"}}</tool_call>']
+    assert pieces("on day 12 ramu") == ["on", "day", "12", "ramu"] and pieces("3 ramu") == ["3", "ramu"]
     # a random id is spelt by characters; a word inside a longer word is not split out
     assert pieces('"memory_id": "ka0x"') == ['"', "memory_id", '": "', "k", "a", "0", "x", '"']
     assert pieces("memory_types") == list("memory_types")
@@ -544,6 +558,10 @@ def test_word_tokenizer_round_trips_every_text_of_the_task_and_saves(tmp_path):
     from transformers import AutoTokenizer
     tok = data.build_memalpha_tokenizer()
     texts = data.memalpha_texts(n=10) + ['{"name": "memory_delete"} ~!@#$%^&*()\n\t[x] <tool_call>{"name": "']
+    rng = random.Random(0)                   # fuzz: words, glue and characters with and without spaces
+    pool = data.memalpha_words() + data.TOOL_JSON_GLUE + list(' .:[]"{}\nab0_')
+    texts += ["".join(rng.choice(pool) + rng.choice(["", " ", "  "]) for _ in range(rng.randint(1, 12)))
+              for _ in range(500)]
     for t in texts:
         ids = tok.encode(t, add_special_tokens=False)
         assert tok.unk_token_id not in ids and tok.decode(ids) == t
@@ -555,3 +573,43 @@ def test_word_tokenizer_round_trips_every_text_of_the_task_and_saves(tmp_path):
     assert train.memalpha_tokenizer(kind="word").get_vocab() == tok.get_vocab()
     with pytest.raises(ValueError):
         train.memalpha_tokenizer(kind="chars")
+
+
+# --------------------------------------------------------------------------- checkpoint / resume
+
+def _tiny_run(path, **kw) -> "train.MemAlphaConfig":
+    return train.MemAlphaConfig(run=str(path), device="cpu", hidden=32, layers=1, heads=2, ffn=64, chunks=2,
+                                questions_per_instance=2, sft_steps=4, sft_copy_steps=1, sft_batch=4, rl_steps=3,
+                                instances=1, group=2, max_new_tokens=12, ckpt_every=2, **kw)
+
+
+def _weights(path) -> dict:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+@pytest.mark.parametrize("kill_stage, kill_step", [("sft", 3), ("rl", 2)])
+def test_killed_memalpha_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, kill_stage, kill_step):
+    train.run_memalpha(_tiny_run(tmp_path / "whole"))
+    whole = _weights(tmp_path / "whole" / "final")
+    real = {"sft": train.memalpha_sft_batch, "rl": train.memalpha_step}[kill_stage]
+
+    def killed(*args):
+        if args[-1] == kill_step:                       # the step argument: the process dies here
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(train, real.__name__, killed)
+    with pytest.raises(KeyboardInterrupt):
+        train.run_memalpha(_tiny_run(tmp_path / "cut"))
+    saved = torch.load(tmp_path / "cut" / "ckpt" / "trainer.pt", weights_only=False)["state"]
+    assert saved == {"stage": kill_stage, "step": 2}     # ckpt_every 2: the last checkpoint before the kill
+    with pytest.raises(SystemExit):                     # a run folder is never reused without --resume
+        train.run_memalpha(_tiny_run(tmp_path / "cut"))
+    monkeypatch.setattr(train, real.__name__, real)
+    train.run_memalpha(_tiny_run(tmp_path / "cut", resume=True))
+    cut = _weights(tmp_path / "cut" / "final")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    rows = [json.loads(x) for x in open(tmp_path / "cut" / "metrics.jsonl")]
+    full = [json.loads(x) for x in open(tmp_path / "whole" / "metrics.jsonl")]
+    assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in full]   # no row twice
+    assert train.parse_memalpha_args(["--resume"]).resume and not train.parse_memalpha_args([]).resume
