@@ -1,6 +1,7 @@
 """Mem-alpha (ALGORITHM.md section 2): structured memory, tool-call parser, rewards, task, loop, training."""
 import json
 import random
+import shutil
 
 import pytest
 
@@ -580,7 +581,7 @@ def test_word_tokenizer_round_trips_every_text_of_the_task_and_saves(tmp_path):
 def _tiny_run(path, **kw) -> "train.MemAlphaConfig":
     return train.MemAlphaConfig(run=str(path), device="cpu", hidden=32, layers=1, heads=2, ffn=64, chunks=2,
                                 questions_per_instance=2, sft_steps=4, sft_copy_steps=1, sft_batch=4, rl_steps=3,
-                                instances=1, group=2, max_new_tokens=12, ckpt_every=2, **kw)
+                                instances=1, group=2, max_new_tokens=48, ckpt_every=2, **kw)
 
 
 def _weights(path) -> dict:
@@ -588,10 +589,36 @@ def _weights(path) -> dict:
     return AutoModelForCausalLM.from_pretrained(path).state_dict()
 
 
+def _overfit_start(path) -> None:
+    """A run folder whose SFT has just ended (RUN/sft + RUN/ckpt at RL step 0), holding a writer overfit on
+    two scripted rows so that its rollouts make calls and GRPO steps really update."""
+    tok = data.build_memalpha_tokenizer()
+    cfg = _tiny_run(path)
+    rows = train.memalpha_expert_samples(tok, train.memalpha_instances(cfg, 11, 1, 0)[0])[:2]
+    torch.manual_seed(0)
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    n = float(sum(len(r.ids) - r.n_prompt for r in rows))
+    for _ in range(60):
+        opt.zero_grad()
+        train.sft_loss(model, train.collate(rows, tok.pad_token_id, "cpu"), n).backward()
+        opt.step()
+    model.save_pretrained(path / "sft")
+    tok.save_pretrained(path / "sft")
+    train.save_checkpoint(str(path / "ckpt"), model, tok, None, {"stage": "rl", "step": 0}, "")
+
+
 @pytest.mark.parametrize("kill_stage, kill_step", [("sft", 3), ("rl", 2)])
 def test_killed_memalpha_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, kill_stage, kill_step):
-    train.run_memalpha(_tiny_run(tmp_path / "whole"))
+    rl = kill_stage == "rl"
+    if rl:                                              # both runs start where SFT ended, from one writer
+        _overfit_start(tmp_path / "whole")
+        shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    train.run_memalpha(_tiny_run(tmp_path / "whole", resume=rl))
     whole = _weights(tmp_path / "whole" / "final")
+    full = [json.loads(x) for x in open(tmp_path / "whole" / "metrics.jsonl")]
+    if rl:
+        assert sum("skipped" not in r for r in full) >= 2      # GRPO steps that changed the weights
     real = {"sft": train.memalpha_sft_batch, "rl": train.memalpha_step}[kill_stage]
 
     def killed(*args):
@@ -600,7 +627,7 @@ def test_killed_memalpha_run_resumes_to_the_uninterrupted_result(tmp_path, monke
         return real(*args)
     monkeypatch.setattr(train, real.__name__, killed)
     with pytest.raises(KeyboardInterrupt):
-        train.run_memalpha(_tiny_run(tmp_path / "cut"))
+        train.run_memalpha(_tiny_run(tmp_path / "cut", resume=rl))
     saved = torch.load(tmp_path / "cut" / "ckpt" / "trainer.pt", weights_only=False)["state"]
     assert saved == {"stage": kill_stage, "step": 2}     # ckpt_every 2: the last checkpoint before the kill
     with pytest.raises(SystemExit):                     # a run folder is never reused without --resume
@@ -610,6 +637,5 @@ def test_killed_memalpha_run_resumes_to_the_uninterrupted_result(tmp_path, monke
     cut = _weights(tmp_path / "cut" / "final")
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
     rows = [json.loads(x) for x in open(tmp_path / "cut" / "metrics.jsonl")]
-    full = [json.loads(x) for x in open(tmp_path / "whole" / "metrics.jsonl")]
     assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in full]   # no row twice
     assert train.parse_memalpha_args(["--resume"]).resume and not train.parse_memalpha_args([]).resume

@@ -41,7 +41,7 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
 * ``--algo memalpha`` (section at the end, own flags and config) trains Mem-alpha: SFT on a scripted
   tool-call writer + answerer, then GRPO with one group per instance over every chunk step of its G
   rollouts; it reuses ``ppo_update`` and ``grpo.grouped_advantage`` (rewards in float64, so equal
-  rewards give exactly zero advantages and the step is skipped). No checkpoint / resume there yet.
+  rewards give exactly zero advantages and the step is skipped); ``--resume`` as below (its own section).
 * Precision: weights (and so gradients and AdamW states) are fp32, the forward runs under bf16
   autocast on CUDA (``--precision``): AdamW stepping bf16 weights directly rounds an lr-1e-6 update
   away for most weights. A resumed run keeps the precision it was started with.
@@ -1217,8 +1217,8 @@ class MemAlphaConfig:
     facts_per_chunk: int = 2
     questions_per_instance: int = 4
     flaw_p: float = 0.5
-    sft_steps: int = 600
-    sft_copy_steps: int = 300    # first steps on first-chunk writer rows only (copying names into JSON)
+    sft_steps: int = 1500
+    sft_copy_steps: int = 500    # first steps on first-chunk writer rows only (copying names into JSON)
     sft_batch: int = 32
     sft_lr: float = 1e-3
     rl_steps: int = 20
@@ -1241,6 +1241,8 @@ class MemAlphaConfig:
     grad_clip: float = 1.0
     mem_weight: float = 0.0      # no <mem> spans in Mem-alpha (ppo_update reads it)
     precision: str = "auto"      # auto (bf16 autocast on CUDA) | fp32 | bf16 (ppo_update reads it)
+    ckpt_every: int = 100        # steps (SFT or GRPO) between checkpoints in RUN/ckpt; 0 = only when SFT ends
+    resume: bool = False
 
 
 MEMALPHA_HELP = {
@@ -1262,12 +1264,17 @@ MEMALPHA_HELP = {
     "kl_coef": "k3 KL to the cold-started policy (0 = none, the paper)", "agg": "loss aggregation",
     "ppo_epochs": "update passes per batch", "micro_tokens": "token budget of one update micro-batch",
     "grad_clip": "max grad norm", "mem_weight": "unused by Mem-alpha", "precision": "auto | fp32 | bf16: bf16 autocast forward over fp32 weights",
+    "ckpt_every": "steps (SFT or GRPO) between checkpoints in RUN/ckpt (0: only when SFT ends)",
+    "resume": "continue a killed run from RUN/ckpt (same batches; the answerer from RUN/sft)",
 }
 
 
 def parse_memalpha_args(argv) -> MemAlphaConfig:
     p = argparse.ArgumentParser(description="Mem-alpha: SFT cold start + GRPO over chunk steps")
     for name, default in asdict(MemAlphaConfig()).items():
+        if isinstance(default, bool):
+            p.add_argument("--" + name.replace("_", "-"), action="store_true", help=MEMALPHA_HELP[name])
+            continue
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=MEMALPHA_HELP[name])
     return MemAlphaConfig(**vars(p.parse_args(argv)))
 
@@ -1372,49 +1379,90 @@ def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, st
     return m
 
 
+def memalpha_truncate_metrics(path: str, state: dict) -> None:
+    """Drop the metrics rows a killed run logged after its checkpoint ``state`` (they are logged again)."""
+    if not os.path.exists(path):
+        return
+    order = {"sft": 0, "rl": 1}
+    keep = lambda row: (order[row["stage"]], row["step"]) < (order[state["stage"]], state["step"])
+    rows = [ln for ln in open(path) if ln.strip() and keep(json.loads(ln))]
+    with open(path, "w") as f:
+        f.writelines(rows)
+
+
 def run_memalpha(cfg: MemAlphaConfig) -> None:
-    """SFT cold start on the scripted writer + answerer, then GRPO with a frozen answerer for r1."""
-    import copy
+    """SFT cold start on the scripted writer + answerer, then GRPO with a frozen answerer for r1.
+
+    Checkpoints: ``RUN/ckpt`` (``save_checkpoint``: model, tokenizer, optimizer, stage + step, torch RNG;
+    written atomically) every ``--ckpt-every`` steps of either stage and when SFT ends; ``--resume``
+    continues from it with the same batches (data and sampling depend only on seed and step) and the
+    answerer saved in ``RUN/sft`` when SFT ended."""
+    from memory import WRITER_SYSTEM
+    from transformers import AutoTokenizer
     from tqdm import tqdm
     os.makedirs(cfg.run, exist_ok=True)
-    metrics_path = os.path.join(cfg.run, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        raise SystemExit(f"{cfg.run} already holds a run ({metrics_path}); choose another --run")
+    metrics_path, ckpt = os.path.join(cfg.run, "metrics.jsonl"), os.path.join(cfg.run, "ckpt")
+    if not cfg.resume and os.path.exists(metrics_path):
+        raise SystemExit(f"{cfg.run} already holds a run ({metrics_path}); pass --resume to continue it, "
+                         f"or choose another --run")
     with open(os.path.join(cfg.run, "config.json"), "w") as f:
         json.dump(asdict(cfg), f, indent=1)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
-    tokenizer = memalpha_tokenizer(cfg.vocab, cfg.seed, cfg.tokenizer)
-    model = data.build_tiny_model(tokenizer, cfg.hidden, cfg.layers, cfg.heads, cfg.ffn, seed=cfg.seed).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
-    model.train()
+    state, trainer = {"stage": "sft", "step": 0}, None
+    if cfg.resume and os.path.exists(os.path.join(ckpt, "trainer.pt")):
+        trainer = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
+        state = trainer["state"]
+        model, tokenizer = load_model(ckpt, device), AutoTokenizer.from_pretrained(ckpt)
+        memalpha_truncate_metrics(metrics_path, state)
+        print(f"resuming memalpha {state['stage']} at step {state['step']} from {ckpt}")
+    else:
+        tokenizer = memalpha_tokenizer(cfg.vocab, cfg.seed, cfg.tokenizer)
+        model = data.build_tiny_model(tokenizer, cfg.hidden, cfg.layers, cfg.heads, cfg.ffn, seed=cfg.seed).to(device)
+    save = lambda opt, st: save_checkpoint(ckpt, model, tokenizer, opt, st, WRITER_SYSTEM)
     t_start = time.time()
-    for step in tqdm(range(cfg.sft_steps), desc="memalpha sft"):
-        for g in opt.param_groups:
-            g["lr"] = cfg.sft_lr * sched(step)
-        samples = memalpha_sft_batch(tokenizer, cfg, step)
-        n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
-        opt.zero_grad(set_to_none=True)
-        loss = 0.0
-        for mb in micro_batches(samples, cfg.micro_tokens):
-            part = sft_loss(model, collate(mb, tokenizer.pad_token_id, device), n_tokens)
-            part.backward()
-            loss += part.item()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        if step % 50 == 0 or step == cfg.sft_steps - 1:
-            log_jsonl(metrics_path, {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn.item(),
-                                     "sec_total": time.time() - t_start})
-    model.save_pretrained(os.path.join(cfg.run, "sft"))
-    tokenizer.save_pretrained(os.path.join(cfg.run, "sft"))
-    answerer = (load_model(cfg.answerer, device) if cfg.answerer else copy.deepcopy(model)).eval().requires_grad_(False)
+    if state["stage"] == "sft":
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+        if trainer is not None:
+            opt.load_state_dict(trainer["optimizer"])
+            torch.set_rng_state(trainer["torch_rng"])
+        sched = lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
+        model.train()
+        for step in tqdm(range(state["step"], cfg.sft_steps), desc="memalpha sft"):
+            for g in opt.param_groups:
+                g["lr"] = cfg.sft_lr * sched(step)
+            samples = memalpha_sft_batch(tokenizer, cfg, step)
+            n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
+            opt.zero_grad(set_to_none=True)
+            loss = 0.0
+            for mb in micro_batches(samples, cfg.micro_tokens):
+                part = sft_loss(model, collate(mb, tokenizer.pad_token_id, device), n_tokens)
+                part.backward()
+                loss += part.item()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            if step % 50 == 0 or step == cfg.sft_steps - 1:
+                log_jsonl(metrics_path, {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn.item(),
+                                         "sec_total": time.time() - t_start})
+            if cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.sft_steps:
+                save(opt, {"stage": "sft", "step": step + 1})
+        model.save_pretrained(os.path.join(cfg.run, "sft"))
+        tokenizer.save_pretrained(os.path.join(cfg.run, "sft"))
+        state, trainer = {"stage": "rl", "step": 0}, None
+        save(None, state)                   # SFT done: a kill from here on resumes at RL step 0
+    answerer = load_model(cfg.answerer or os.path.join(cfg.run, "sft"), device).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    bar = tqdm(range(cfg.rl_steps), desc="memalpha grpo")
+    if trainer is not None and trainer["optimizer"] is not None:
+        opt.load_state_dict(trainer["optimizer"])
+        torch.set_rng_state(trainer["torch_rng"])
+    bar = tqdm(range(state["step"], cfg.rl_steps), desc="memalpha grpo")
     for step in bar:
         m = memalpha_step(model, answerer, tokenizer, opt, cfg, step)
+        m["sec_total"] = time.time() - t_start
         log_jsonl(metrics_path, m)
         bar.set_postfix(reward=f"{m['reward']:.3f}", r1=f"{m['r1']:.3f}")
+        if cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.rl_steps:
+            save(opt, {"stage": "rl", "step": step + 1})
     model.save_pretrained(os.path.join(cfg.run, "final"))
     tokenizer.save_pretrained(os.path.join(cfg.run, "final"))
     print(f"saved {cfg.run}/final")
