@@ -564,6 +564,7 @@ def memalpha_main(argv) -> None:
     p = argparse.ArgumentParser(description="Evaluate a Mem-alpha run against long-context and RAG-top-2.")
     p.add_argument("--checkpoint", required=True, help="Mem-alpha run folder (writer in final/, answerer in sft/)")
     p.add_argument("--answerer", default="", help="HF path of the answerer (default: RUN/sft)")
+    p.add_argument("--writer", default="", help="HF path of the writer (default: RUN/final; RUN/sft = the SFT writer)")
     p.add_argument("--data", default="", help="chunked instances JSONL (chunks, questions_and_answers)")
     p.add_argument("--instances", type=int, default=64, help="held-out instances (embedded world)")
     p.add_argument("--split", default="test", choices=list(SPLIT_SEEDS), help="held-out world seeds")
@@ -577,7 +578,7 @@ def memalpha_main(argv) -> None:
     device = pick_device(args.device)
     import os
     from transformers import AutoTokenizer
-    final = os.path.join(args.checkpoint, "final")
+    final = args.writer or os.path.join(args.checkpoint, "final")
     writer = load_model(final, device).eval()
     answerer = load_model(args.answerer or os.path.join(args.checkpoint, "sft"), device).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)
@@ -591,7 +592,7 @@ def memalpha_main(argv) -> None:
     for method, r in res.items():
         print(f"{method:13s} " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in r.items()))
-    print(json.dumps({"checkpoint": args.checkpoint, "split": args.split, "memalpha": res}))
+    print(json.dumps({"checkpoint": args.checkpoint, "writer": final, "split": args.split, "memalpha": res}))
 
 
 if __name__ == "__main__":

@@ -1221,7 +1221,7 @@ class MemAlphaConfig:
     sft_copy_steps: int = 500    # first steps on first-chunk writer rows only (copying names into JSON)
     sft_batch: int = 32
     sft_lr: float = 1e-3
-    rl_steps: int = 20
+    rl_steps: int = 40
     instances: int = 4
     group: int = 8
     lr: float = 1e-4
