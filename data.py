@@ -52,7 +52,8 @@ per-fact drops at p = 0.3 left a strong SFT policy).
 
 Mem-alpha (section at the end): dated chunks of new facts, changed / ended facts and events, then
 questions on the latest value of a fact and on when an event happened; a scripted tool-call writer
-whose flaw (per instance) is never revising a fact; ``load_memalpha`` for real chunked JSONL.
+whose flaw (per instance) is never revising a fact; ``load_memalpha`` for real chunked JSONL; the task's
+word-level tokenizer that writes JSON (``build_memalpha_tokenizer``, its own section).
 """
 from __future__ import annotations
 
