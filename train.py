@@ -1197,7 +1197,8 @@ Choices: the tokenizer is ``data.build_memalpha_tokenizer`` (word-level, JSON gl
 same one token in the chunk and in the call, so copying is a pointer step); ``--tokenizer bpe`` is the
 byte-level BPE of ``data.build_bpe_tokenizer`` trained on the world's and this task's text, with which
 the 3-layer model did not learn to copy (results/MEMALPHA.md). The first ``--sft-copy-steps`` steps see
-first-chunk writer rows only: the copy plateau (loss ~0.48) ends at step ~350-400 on them. Every SFT
+first-chunk writer rows only: the copy plateau (loss ~0.4-0.48) ended at step ~350 on seed 0 but at ~900-1000
+on seed 1 (seeds 1 and 2 had not left it at step 500), hence 1200 of 2200 SFT steps. Every SFT
 step draws a new world (the name pool is shared), so held-out worlds test generalisation to new facts;
 the generation ends at EOS (``<|im_end|>``) or ``--max-new-tokens``; no KL by default (the paper uses none).
 """
