@@ -52,7 +52,8 @@ per-fact drops at p = 0.3 left a strong SFT policy).
 
 Mem-alpha (section at the end): dated chunks of new facts, changed / ended facts and events, then
 questions on the latest value of a fact and on when an event happened; a scripted tool-call writer
-whose flaw (per instance) is never revising a fact; ``load_memalpha`` for real chunked JSONL.
+whose flaw (per instance) is never revising a fact; ``load_memalpha`` for real chunked JSONL; the task's
+word-level tokenizer that writes JSON (``build_memalpha_tokenizer``, its own section).
 """
 from __future__ import annotations
 
@@ -975,3 +976,64 @@ def chunks_answer(chunks: list[str], question: str) -> str:
             elif w[:2] == words[:2] and len(w) >= 3:
                 answer = NONE_ANSWER if w[2] == "ended" else w[-1]
     return answer
+
+
+# --- Mem-alpha: a word-level tokenizer that writes JSON (ALGORITHM.md section 2)
+"""``build_memalpha_tokenizer``: every word of the task is ONE token wherever it stands, and JSON round-trips.
+
+Why: with the byte-level BPE (``build_bpe_tokenizer``) a name reads `` pigo`` in the chunk but ``p`` ``igo``
+after the ``"`` that opens a JSON string (Qwen2's pre-tokeniser puts the space on the word, the quote
+on its own), so "copy the fact into the insert" was a learnt token-to-token MAPPING, and a 3-layer
+model did not learn it in 660 SFT steps (results/MEMALPHA.md). Here copying is a pointer step, as in
+MemPO's word-level world: ``pigo mother bufa`` is the same three tokens in the chunk and in the call.
+
+How: a ``WordLevel`` model behind two ``Split`` pre-tokenisers (regexes; the leftmost alternative wins):
+1. a space between a word character and a known word of 2+ characters is dropped (the decoder puts it
+   back), so the words of a fact are adjacent tokens as in the chunk: a space token between them made
+   every copy step a two-back match, and the copy plateau lasted ~900 steps (measured);
+2. the rest is cut into the JSON glue of a tool call as whole tokens (``<tool_call>{"name": "``,
+   ``", "arguments": {"``, ``": "``, ``", "``, ``"}}</tool_call>``), every word of the task (names,
+   relations, verbs, tool and argument names, prompt words, numbers 0-99) between word boundaries, and
+   any other single character (a space that is kept, a newline, one character of a random memory id).
+The decoder marks every token of 2+ word characters, joins all tokens (``Fuse``) and turns a mark after
+a word character into a space: ``decode(encode(text)) == text`` for any printable-ASCII text (a word
+token is preceded by a word character only where step 1 dropped a space). A character outside the
+vocabulary is ``<|endoftext|>`` (unk). Specials and chat template are ChatML's, as the BPE tokenizer's.
+Meant for the embedded world: text of unknown words is spelt one character a token.
+"""
+TOOL_JSON_GLUE = ['<tool_call>{"name": "', '", "arguments": {"', '"}}</tool_call>', '": "', '", "']
+
+
+def memalpha_words() -> list[str]:
+    """Every word the Mem-alpha task writes (world names, relations, verbs, tools, prompts), deduplicated."""
+    from memory import ANSWER_SYSTEM, MEMORY_TYPES, TOOL_ARGS, TRUNCATED, WRITER_SYSTEM
+    words = name_pool() + RELATIONS + EVENT_VERBS + list(MEMORY_TYPES) + list(TOOL_ARGS)
+    words += [a for req, opt in TOOL_ARGS.values() for a in req + opt]
+    words += (WRITER_SYSTEM + " " + ANSWER_SYSTEM).split() + [TRUNCATED, NONE_ANSWER, UNKNOWN]
+    words += "day is now ended on when latest report question chunk more not shown empty system user assistant".split()
+    words += [str(k) for k in range(100)]
+    return list(dict.fromkeys(w for w in words if _re.fullmatch(r"\w+", w)))
+
+
+def build_memalpha_tokenizer():
+    """The word-level ChatML tokenizer of the Mem-alpha task (see this section's notes). Deterministic."""
+    import string
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = memalpha_words()
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = list(dict.fromkeys(CHATML_SPECIALS + TOOL_JSON_GLUE + words + chars))
+    alt = lambda ws: "|".join(sorted(ws, key=len, reverse=True))      # longest first: memory_type before memory
+    glue = "|".join(_re.escape(g) for g in TOOL_JSON_GLUE)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token=CHATML_SPECIALS[0]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(rf"(?<=\w) (?=(?:{alt(w for w in words if len(w) > 1)})\b)"), behavior="removed"),
+        pre_tokenizers.Split(Regex(rf"{glue}|\b(?:{alt(words)})\b|[\s\S]"), behavior="isolated")])
+    mark = "\x02"                                                      # never in the text: not in the vocabulary
+    tok.decoder = decoders.Sequence([decoders.Replace(Regex(r"^(?=\w{2,}$)"), mark), decoders.Fuse(),
+                                     decoders.Replace(Regex(rf"(?<=\w){mark}"), " "), decoders.Replace(mark, "")])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=CHATML_SPECIALS[0], pad_token=CHATML_SPECIALS[0],
+                                 eos_token="<|im_end|>", additional_special_tokens=CHATML_SPECIALS[1:],
+                                 clean_up_tokenization_spaces=False)
+    hf.chat_template = CHATML_TEMPLATE
+    return hf

@@ -549,10 +549,11 @@ def main(argv=None) -> None:
 """``python eval.py memalpha --checkpoint RUN``: the writer (RUN/final) builds a memory per held-out
 instance greedily; the frozen answerer (RUN/sft, the cold-started copy, or ``--answerer``) answers
 from core + BM25 top-k of each store. Reported: accuracy (exact match), memory tokens, tool-call
-success (successful / all calls), r4 validity. Baselines on the same streams with the same answerer:
-``long_context`` (the newest raw chunks that fit ``--context-tokens``) and ``rag_top2`` (BM25 top-2
-raw chunks for the question). Memory tokens of a baseline = what it keeps: the chunks in its window,
-or every chunk for RAG. The embedded answerer learnt raw-chunk contexts in SFT too
+success (successful / all calls), r4 validity; on the embedded world also ``scripted``: the same answerer
+reading the scripted (never flawed) writer's memory, the ceiling of what a writer can give it.
+Baselines on the same streams with the same answerer: ``long_context`` (the newest raw chunks that fit
+``--context-tokens``) and ``rag_top2`` (BM25 top-2 raw chunks for the question). Memory tokens of a
+baseline = what it keeps: the chunks in its window, or every chunk for RAG. The embedded answerer learnt raw-chunk contexts in SFT too
 (``memalpha_raw_rows``), so the three conditions share one answerer.
 """
 
@@ -599,20 +600,27 @@ def answer_contexts(model, tokenizer, message_lists: list[list[dict]], max_new_t
 
 
 def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, context_tokens: int = 64,
-                      max_new_tokens: int = 192) -> dict:
-    """Mem-alpha writer vs long-context and RAG-top-2 on the same instances -> {method: metrics}."""
+                      max_new_tokens: int = 192, scripted: bool = False) -> dict:
+    """Mem-alpha writer vs long-context and RAG-top-2 on the same instances -> {method: metrics};
+    ``scripted`` adds the scripted writer's memory (embedded instances only: it reads ``Chunk.reports``)."""
     from reward import em_score, r4_validity
     from rollout import WriterConfig, memalpha_rollout
-    from memory import answerer_messages
+    from memory import StructuredMemory, answerer_messages
     count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
     rolls = memalpha_rollout(writer, tokenizer, instances, 1, WriterConfig(max_new_tokens=max_new_tokens,
                                                                           temperature=0.0))
-    views = {"memalpha": [], "long_context": [], "rag_top2": []}
+    views = {"memalpha": [], "long_context": [], "rag_top2": []} | ({"scripted": []} if scripted else {})
     kept = {m: [] for m in views}
     golds = []
     for r, inst in zip(rolls, instances):
         texts = [c.text for c in inst.chunks]
         window = long_context_chunks(texts, count, context_tokens)
+        if scripted:                   # the ceiling: the SFT teacher's memory (never flawed) read by the same answerer
+            ideal = StructuredMemory(r.memory.core_limit, count, seed=0)
+            for chunk in inst.chunks:
+                data.writer_calls(ideal, chunk)
+            kept["scripted"].append(ideal.n_tokens())
+            views["scripted"] += [answerer_messages(ideal, q, k) for q, _ in inst.questions]
         kept["memalpha"].append(r.memory.n_tokens())
         kept["long_context"].append(sum(count(c) for c in window))
         kept["rag_top2"].append(sum(count(c) for c in texts))
@@ -643,6 +651,7 @@ def memalpha_main(argv) -> None:
     p = argparse.ArgumentParser(description="Evaluate a Mem-alpha run against long-context and RAG-top-2.")
     p.add_argument("--checkpoint", required=True, help="Mem-alpha run folder (writer in final/, answerer in sft/)")
     p.add_argument("--answerer", default="", help="HF path of the answerer (default: RUN/sft)")
+    p.add_argument("--writer", default="", help="HF path of the writer (default: RUN/final; RUN/sft = the SFT writer)")
     p.add_argument("--data", default="", help="chunked instances JSONL (chunks, questions_and_answers)")
     p.add_argument("--instances", type=int, default=64, help="held-out instances (embedded world)")
     p.add_argument("--split", default="test", choices=list(SPLIT_SEEDS), help="held-out world seeds")
@@ -656,7 +665,7 @@ def memalpha_main(argv) -> None:
     device = pick_device(args.device)
     import os
     from transformers import AutoTokenizer
-    final = os.path.join(args.checkpoint, "final")
+    final = args.writer or os.path.join(args.checkpoint, "final")
     writer = load_model(final, device).eval()
     answerer = load_model(args.answerer or os.path.join(args.checkpoint, "sft"), device).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)
@@ -666,11 +675,11 @@ def memalpha_main(argv) -> None:
         instances = data.make_memalpha_instances(SPLIT_SEEDS[args.split] + args.seed, args.instances,
                                                  seed=args.seed, n_chunks=args.chunks)
     res = evaluate_memalpha(writer, answerer, tokenizer, instances, args.top_k, args.context_tokens,
-                            args.max_new_tokens)
+                            args.max_new_tokens, scripted=not args.data)
     for method, r in res.items():
         print(f"{method:13s} " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in r.items()))
-    print(json.dumps({"checkpoint": args.checkpoint, "split": args.split, "memalpha": res}))
+    print(json.dumps({"checkpoint": args.checkpoint, "writer": final, "split": args.split, "memalpha": res}))
 
 
 if __name__ == "__main__":

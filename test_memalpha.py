@@ -1,6 +1,7 @@
 """Mem-alpha (ALGORITHM.md section 2): structured memory, tool-call parser, rewards, task, loop, training."""
 import json
 import random
+import shutil
 
 import pytest
 
@@ -507,6 +508,18 @@ def test_evaluate_memalpha_runs_all_three_methods():
     count = lambda s: len(tok.encode(s))
     assert res["rag_top2"]["memory_tokens"] == sum(count(c.text) for i in insts for c in i.chunks) / 2
     assert res["memalpha"]["memory_tokens"] == 0 and res["memalpha"]["tool_success"] == 0.0   # never calls
+    with_ceiling = ev.evaluate_memalpha(model, model, tok, insts, max_new_tokens=8, scripted=True)
+    assert {m: r["accuracy"] for m, r in with_ceiling.items() if m != "scripted"} == \
+        {m: r["accuracy"] for m, r in res.items()}
+    from memory import StructuredMemory
+    sizes = []
+    for inst in insts:                                  # naive reference: the teacher's memory, token-counted
+        mem = StructuredMemory(512, count, seed=0)
+        for c in inst.chunks:
+            data.writer_calls(mem, c)
+        sizes.append(sum(count(x) for x in [mem.core] + [t for _, t in mem.entries("semantic") + mem.entries("episodic")]))
+    assert with_ceiling["scripted"]["memory_tokens"] == sum(sizes) / 2 > 0
+    assert with_ceiling["scripted"]["questions"] == n_q
 
 
 def test_sft_batches_copy_phase_then_all_rows():
@@ -522,3 +535,107 @@ def test_sft_batches_copy_phase_then_all_rows():
     targets = [tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True) for r in rows]
     assert len(rows) == 8 and any(not t.startswith("<tool_call>") for t in targets)   # answerer rows too
     assert train.memalpha_sft_batch(tok, cfg, 2)[0].ids == rows[0].ids              # deterministic per step
+
+
+# --------------------------------------------------------------------------- the word-level tokenizer
+
+def test_word_tokenizer_names_are_one_token_in_the_chunk_and_in_the_json():
+    tok = data.build_memalpha_tokenizer()
+    chunk = "day 3 : pigo mother bufa ."
+    call = tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "pigo mother bufa"})
+    pieces = lambda s: [tok.decode([i]) for i in tok.encode(s, add_special_tokens=False)]
+    # a space before a known word of 2+ characters is implicit: the words of a fact are adjacent tokens
+    assert pieces(chunk) == ["day", " ", "3", " ", ":", " ", "pigo", "mother", "bufa", " ", "."]
+    assert pieces(call) == ['<tool_call>{"name": "', "new_memory_insert", '", "arguments": {"', "memory_type",
+                            '": "', "semantic", '", "', "content", '": "', "pigo", "mother", "bufa",
+                            '"}}</tool_call>']
+    assert pieces("on day 12 ramu") == ["on", "day", "12", "ramu"] and pieces("3 ramu") == ["3", "ramu"]
+    # a random id is spelt by characters; a word inside a longer word is not split out
+    assert pieces('"memory_id": "ka0x"') == ['"', "memory_id", '": "', "k", "a", "0", "x", '"']
+    assert pieces("memory_types") == list("memory_types")
+
+
+def test_word_tokenizer_round_trips_every_text_of_the_task_and_saves(tmp_path):
+    from transformers import AutoTokenizer
+    tok = data.build_memalpha_tokenizer()
+    texts = data.memalpha_texts(n=10) + ['{"name": "memory_delete"} ~!@#$%^&*()\n\t[x] <tool_call>{"name": "']
+    rng = random.Random(0)                   # fuzz: words, glue and characters with and without spaces
+    pool = data.memalpha_words() + data.TOOL_JSON_GLUE + list(' .:[]"{}\nab0_')
+    texts += ["".join(rng.choice(pool) + rng.choice(["", " ", "  "]) for _ in range(rng.randint(1, 12)))
+              for _ in range(500)]
+    for t in texts:
+        ids = tok.encode(t, add_special_tokens=False)
+        assert tok.unk_token_id not in ids and tok.decode(ids) == t
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    msgs = [{"role": "user", "content": texts[0]}]
+    assert encode_chat(again, msgs) == encode_chat(tok, msgs)
+    assert again.eos_token == "<|im_end|>" and tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
+    assert train.memalpha_tokenizer(kind="word").get_vocab() == tok.get_vocab()
+    with pytest.raises(ValueError):
+        train.memalpha_tokenizer(kind="chars")
+
+
+# --------------------------------------------------------------------------- checkpoint / resume
+
+def _tiny_run(path, **kw) -> "train.MemAlphaConfig":
+    return train.MemAlphaConfig(run=str(path), device="cpu", hidden=32, layers=1, heads=2, ffn=64, chunks=2,
+                                questions_per_instance=2, sft_steps=4, sft_copy_steps=1, sft_batch=4, rl_steps=3,
+                                instances=1, group=2, max_new_tokens=48, ckpt_every=2, **kw)
+
+
+def _weights(path) -> dict:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def _overfit_start(path) -> None:
+    """A run folder whose SFT has just ended (RUN/sft + RUN/ckpt at RL step 0), holding a writer overfit on
+    two scripted rows so that its rollouts make calls and GRPO steps really update."""
+    tok = data.build_memalpha_tokenizer()
+    cfg = _tiny_run(path)
+    rows = train.memalpha_expert_samples(tok, train.memalpha_instances(cfg, 11, 1, 0)[0])[:2]
+    torch.manual_seed(0)
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    n = float(sum(len(r.ids) - r.n_prompt for r in rows))
+    for _ in range(60):
+        opt.zero_grad()
+        train.sft_loss(model, train.collate(rows, tok.pad_token_id, "cpu"), n).backward()
+        opt.step()
+    model.save_pretrained(path / "sft")
+    tok.save_pretrained(path / "sft")
+    train.save_checkpoint(str(path / "ckpt"), model, tok, None, {"stage": "rl", "step": 0}, "")
+
+
+@pytest.mark.parametrize("kill_stage, kill_step", [("sft", 3), ("rl", 2)])
+def test_killed_memalpha_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, kill_stage, kill_step):
+    rl = kill_stage == "rl"
+    if rl:                                              # both runs start where SFT ended, from one writer
+        _overfit_start(tmp_path / "whole")
+        shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    train.run_memalpha(_tiny_run(tmp_path / "whole", resume=rl))
+    whole = _weights(tmp_path / "whole" / "final")
+    full = [json.loads(x) for x in open(tmp_path / "whole" / "metrics.jsonl")]
+    if rl:
+        assert sum("skipped" not in r for r in full) >= 2      # GRPO steps that changed the weights
+    real = {"sft": train.memalpha_sft_batch, "rl": train.memalpha_step}[kill_stage]
+
+    def killed(*args):
+        if args[-1] == kill_step:                       # the step argument: the process dies here
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(train, real.__name__, killed)
+    with pytest.raises(KeyboardInterrupt):
+        train.run_memalpha(_tiny_run(tmp_path / "cut", resume=rl))
+    saved = torch.load(tmp_path / "cut" / "ckpt" / "trainer.pt", weights_only=False)["state"]
+    assert saved == {"stage": kill_stage, "step": 2}     # ckpt_every 2: the last checkpoint before the kill
+    with pytest.raises(SystemExit):                     # a run folder is never reused without --resume
+        train.run_memalpha(_tiny_run(tmp_path / "cut"))
+    monkeypatch.setattr(train, real.__name__, real)
+    train.run_memalpha(_tiny_run(tmp_path / "cut", resume=True))
+    cut = _weights(tmp_path / "cut" / "final")
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+    rows = [json.loads(x) for x in open(tmp_path / "cut" / "metrics.jsonl")]
+    assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in full]   # no row twice
+    assert train.parse_memalpha_args(["--resume"]).resume and not train.parse_memalpha_args([]).resume

@@ -46,7 +46,7 @@ Choices of this project (see also the module docstrings of rollout.py, reward.py
 * ``--algo memalpha`` (section at the end, own flags and config) trains Mem-alpha: SFT on a scripted
   tool-call writer + answerer, then GRPO with one group per instance over every chunk step of its G
   rollouts; it reuses ``ppo_update`` and ``grpo.grouped_advantage`` (rewards in float64, so equal
-  rewards give exactly zero advantages and the step is skipped). No checkpoint / resume there yet.
+  rewards give exactly zero advantages and the step is skipped); ``--resume`` as below (its own section).
 * Precision: weights (and so gradients and AdamW states) are fp32, the forward runs under bf16
   autocast on CUDA (``--precision``): AdamW stepping bf16 weights directly rounds an lr-1e-6 update
   away for most weights. A resumed run keeps the precision it was started with.
@@ -1245,10 +1245,14 @@ def main(argv=None) -> None:
           every chunk step of every rollout of an instance, std-normalised (``grpo.grouped_advantage``);
           every chunk step is a training row (context + output, loss on output) for the shared ``ppo_update``.
 
-Choices: the tokenizer is the byte-level BPE of ``data.build_bpe_tokenizer`` trained on the world's and
-this task's text (a word-level tokenizer cannot write JSON); every SFT step draws a new world (the
-name pool is shared), so held-out worlds test generalisation to new facts; the generation ends at
-EOS (``<|im_end|>``) or ``--max-new-tokens``; no KL by default (the paper uses none).
+Choices: the tokenizer is ``data.build_memalpha_tokenizer`` (word-level, JSON glue as tokens: a name is the
+same one token in the chunk and in the call, so copying is a pointer step); ``--tokenizer bpe`` is the
+byte-level BPE of ``data.build_bpe_tokenizer`` trained on the world's and this task's text, with which
+the 3-layer model did not learn to copy (results/MEMALPHA.md). The first ``--sft-copy-steps`` steps see
+first-chunk writer rows only: the copy plateau (loss ~0.4-0.48) ended at step ~350 on seed 0 but at ~900-1000
+on seed 1 (seeds 1 and 2 had not left it at step 500), hence 1200 of 2200 SFT steps. Every SFT
+step draws a new world (the name pool is shared), so held-out worlds test generalisation to new facts;
+the generation ends at EOS (``<|im_end|>``) or ``--max-new-tokens``; no KL by default (the paper uses none).
 """
 
 
@@ -1262,17 +1266,18 @@ class MemAlphaConfig:
     layers: int = 3
     heads: int = 8
     ffn: int = 256
+    tokenizer: str = "word"      # word: data.build_memalpha_tokenizer (names are one token) | bpe
     vocab: int = 800
     answerer: str = ""           # HF path of r1's frozen answerer; empty = a frozen copy after SFT
     chunks: int = 4
     facts_per_chunk: int = 2
     questions_per_instance: int = 4
     flaw_p: float = 0.5
-    sft_steps: int = 600
-    sft_copy_steps: int = 300    # first steps on first-chunk writer rows only (copying names into JSON)
+    sft_steps: int = 2200
+    sft_copy_steps: int = 1200   # first steps on first-chunk writer rows only (copying names into JSON)
     sft_batch: int = 32
     sft_lr: float = 1e-3
-    rl_steps: int = 20
+    rl_steps: int = 40
     instances: int = 4
     group: int = 8
     lr: float = 1e-4
@@ -1292,13 +1297,16 @@ class MemAlphaConfig:
     grad_clip: float = 1.0
     mem_weight: float = 0.0      # no <mem> spans in Mem-alpha (ppo_update reads it)
     precision: str = "auto"      # auto (bf16 autocast on CUDA) | fp32 | bf16 (ppo_update reads it)
+    ckpt_every: int = 100        # steps (SFT or GRPO) between checkpoints in RUN/ckpt; 0 = only when SFT ends
+    resume: bool = False
 
 
 MEMALPHA_HELP = {
     "run": "output folder", "seed": "seed of worlds, data order and sampling", "device": "auto | cpu | cuda",
     "algo": "memalpha", "hidden": "hidden size of the tiny model", "layers": "layers of the tiny model",
     "heads": "attention heads of the tiny model", "ffn": "MLP width of the tiny model",
-    "vocab": "BPE vocabulary size", "answerer": "HF path of r1's frozen answerer (default: frozen copy after SFT)",
+    "tokenizer": "word (one token per word of the task, JSON glue as tokens) | bpe (byte-level BPE, --vocab)",
+    "vocab": "BPE vocabulary size (--tokenizer bpe)", "answerer": "HF path of r1's frozen answerer (default: frozen copy after SFT)",
     "chunks": "chunks per instance", "facts_per_chunk": "new facts per chunk",
     "questions_per_instance": "questions per instance", "flaw_p": "share of SFT instances whose writer never revises",
     "sft_steps": "SFT cold-start steps (0 skips)",
@@ -1312,18 +1320,28 @@ MEMALPHA_HELP = {
     "kl_coef": "k3 KL to the cold-started policy (0 = none, the paper)", "agg": "loss aggregation",
     "ppo_epochs": "update passes per batch", "micro_tokens": "token budget of one update micro-batch",
     "grad_clip": "max grad norm", "mem_weight": "unused by Mem-alpha", "precision": "auto | fp32 | bf16: bf16 autocast forward over fp32 weights",
+    "ckpt_every": "steps (SFT or GRPO) between checkpoints in RUN/ckpt (0: only when SFT ends)",
+    "resume": "continue a killed run from RUN/ckpt (same batches; the answerer from RUN/sft)",
 }
 
 
 def parse_memalpha_args(argv) -> MemAlphaConfig:
     p = argparse.ArgumentParser(description="Mem-alpha: SFT cold start + GRPO over chunk steps")
     for name, default in asdict(MemAlphaConfig()).items():
+        if isinstance(default, bool):
+            p.add_argument("--" + name.replace("_", "-"), action="store_true", help=MEMALPHA_HELP[name])
+            continue
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=MEMALPHA_HELP[name])
     return MemAlphaConfig(**vars(p.parse_args(argv)))
 
 
-def memalpha_tokenizer(vocab: int = 800, seed: int = 0):
-    """The byte-level BPE tokenizer trained on the world's text and this task's chunks and tool calls."""
+def memalpha_tokenizer(vocab: int = 800, seed: int = 0, kind: str = "bpe"):
+    """``kind`` word: ``data.build_memalpha_tokenizer``; bpe: the byte-level BPE tokenizer trained on the
+    world's text and this task's chunks and tool calls."""
+    if kind == "word":
+        return data.build_memalpha_tokenizer()
+    if kind != "bpe":
+        raise ValueError(f"--tokenizer must be word or bpe, not {kind!r}")
     return data.build_bpe_tokenizer(data.world_texts(seed=seed) + data.memalpha_texts(seed=seed), vocab)
 
 
@@ -1417,49 +1435,91 @@ def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, st
     return m
 
 
+def memalpha_truncate_metrics(path: str, state: dict) -> None:
+    """Drop the metrics rows a killed run logged after its checkpoint ``state`` (they are logged again)."""
+    if not os.path.exists(path):
+        return
+    order = {"sft": 0, "rl": 1}
+    keep = lambda row: (order[row["stage"]], row["step"]) < (order[state["stage"]], state["step"])
+    rows = [ln for ln in open(path) if ln.strip() and keep(json.loads(ln))]
+    with open(path, "w") as f:
+        f.writelines(rows)
+
+
 def run_memalpha(cfg: MemAlphaConfig) -> None:
-    """SFT cold start on the scripted writer + answerer, then GRPO with a frozen answerer for r1."""
-    import copy
+    """SFT cold start on the scripted writer + answerer, then GRPO with a frozen answerer for r1.
+
+    Checkpoints: ``RUN/ckpt`` (``save_checkpoint``: model, tokenizer, optimizer, stage + step, torch RNG;
+    written atomically) every ``--ckpt-every`` steps of either stage and when SFT ends; ``--resume``
+    continues from it with the same batches (data and sampling depend only on seed and step) and the
+    answerer saved in ``RUN/sft`` when SFT ended."""
+    from memory import WRITER_SYSTEM
+    from transformers import AutoTokenizer
     from tqdm import tqdm
     os.makedirs(cfg.run, exist_ok=True)
-    metrics_path = os.path.join(cfg.run, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        raise SystemExit(f"{cfg.run} already holds a run ({metrics_path}); choose another --run")
+    metrics_path, ckpt = os.path.join(cfg.run, "metrics.jsonl"), os.path.join(cfg.run, "ckpt")
+    if not cfg.resume and os.path.exists(metrics_path):
+        raise SystemExit(f"{cfg.run} already holds a run ({metrics_path}); pass --resume to continue it, "
+                         f"or choose another --run")
     with open(os.path.join(cfg.run, "config.json"), "w") as f:
         json.dump(asdict(cfg), f, indent=1)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.device)
-    tokenizer = memalpha_tokenizer(cfg.vocab, cfg.seed)
-    model = data.build_tiny_model(tokenizer, cfg.hidden, cfg.layers, cfg.heads, cfg.ffn, seed=cfg.seed).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
-    model.train()
+    state, trainer = {"stage": "sft", "step": 0}, None
+    if cfg.resume and os.path.exists(os.path.join(ckpt, "trainer.pt")):
+        trainer = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
+        state = trainer["state"]
+        model, tokenizer = load_model(ckpt, device), AutoTokenizer.from_pretrained(ckpt)
+        memalpha_truncate_metrics(metrics_path, state)
+        print(f"resuming memalpha {state['stage']} at step {state['step']} from {ckpt}")
+    else:
+        tokenizer = memalpha_tokenizer(cfg.vocab, cfg.seed, cfg.tokenizer)
+        model = data.build_tiny_model(tokenizer, cfg.hidden, cfg.layers, cfg.heads, cfg.ffn, seed=cfg.seed).to(device)
+    save = lambda opt, st: save_checkpoint(ckpt, model, tokenizer, opt, st, WRITER_SYSTEM)
     t_start = time.time()
-    for step in tqdm(range(cfg.sft_steps), desc="memalpha sft"):
-        for g in opt.param_groups:
-            g["lr"] = cfg.sft_lr * sched(step)
-        samples = memalpha_sft_batch(tokenizer, cfg, step)
-        n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
-        opt.zero_grad(set_to_none=True)
-        loss = 0.0
-        for mb in micro_batches(samples, cfg.micro_tokens):
-            part = sft_loss(model, collate(mb, tokenizer.pad_token_id, device), n_tokens)
-            part.backward()
-            loss += part.item()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        if step % 50 == 0 or step == cfg.sft_steps - 1:
-            log_jsonl(metrics_path, {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn.item(),
-                                     "sec_total": time.time() - t_start})
-    model.save_pretrained(os.path.join(cfg.run, "sft"))
-    tokenizer.save_pretrained(os.path.join(cfg.run, "sft"))
-    answerer = (load_model(cfg.answerer, device) if cfg.answerer else copy.deepcopy(model)).eval().requires_grad_(False)
+    if state["stage"] == "sft":
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+        if trainer is not None:
+            opt.load_state_dict(trainer["optimizer"])
+            torch.set_rng_state(trainer["torch_rng"])
+        sched = lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
+        model.train()
+        for step in tqdm(range(state["step"], cfg.sft_steps), desc="memalpha sft"):
+            for g in opt.param_groups:
+                g["lr"] = cfg.sft_lr * sched(step)
+            samples = memalpha_sft_batch(tokenizer, cfg, step)
+            n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))
+            opt.zero_grad(set_to_none=True)
+            loss = 0.0
+            for mb in micro_batches(samples, cfg.micro_tokens):
+                part = sft_loss(model, collate(mb, tokenizer.pad_token_id, device), n_tokens)
+                part.backward()
+                loss += part.item()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            if step % 50 == 0 or step == cfg.sft_steps - 1:
+                log_jsonl(metrics_path, {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn.item(),
+                                         "sec_total": time.time() - t_start})
+            if cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.sft_steps:
+                save(opt, {"stage": "sft", "step": step + 1})
+        model.save_pretrained(os.path.join(cfg.run, "sft"))
+        tokenizer.save_pretrained(os.path.join(cfg.run, "sft"))
+        state, trainer = {"stage": "rl", "step": 0}, None
+        save(None, state)                   # SFT done: a kill from here on resumes at RL step 0
+    answerer = load_model(cfg.answerer or os.path.join(cfg.run, "sft"), device).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    bar = tqdm(range(cfg.rl_steps), desc="memalpha grpo")
+    if trainer is not None:
+        if trainer["optimizer"] is not None:           # None: the checkpoint written when SFT ended
+            opt.load_state_dict(trainer["optimizer"])
+        torch.set_rng_state(trainer["torch_rng"])
+    bar = tqdm(range(state["step"], cfg.rl_steps), desc="memalpha grpo")
     for step in bar:
         m = memalpha_step(model, answerer, tokenizer, opt, cfg, step)
+        m["sec_total"] = time.time() - t_start
         log_jsonl(metrics_path, m)
         bar.set_postfix(reward=f"{m['reward']:.3f}", r1=f"{m['r1']:.3f}")
+        if cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.rl_steps:
+            save(opt, {"stage": "rl", "step": step + 1})
     model.save_pretrained(os.path.join(cfg.run, "final"))
     tokenizer.save_pretrained(os.path.join(cfg.run, "final"))
     print(f"saved {cfg.run}/final")
