@@ -34,7 +34,7 @@ def test_no_nested_mem_defect_through_the_real_record_path(sft_run):
     from rollout import AgentConfig, SearchTool, rollout
     model = AutoModelForCausalLM.from_pretrained(sft_run / "final").eval()
     tok = AutoTokenizer.from_pretrained(sft_run / "final")
-    world, tasks = data.make_tasks(5, 6, [2], (1, 2))
+    world, tasks = data.make_tasks(5, 16, [2], (2, 2))         # 4 searches each: rounds 3+ whatever the policy
     cfg = AgentConfig(system_prompt=SYS, max_turns=5, max_new_tokens=60, temperature=0.0)
     trajs = rollout(model, tok, tasks, 1, SearchTool(world.docs), cfg, torch.Generator().manual_seed(0))
     mem_id = tok.convert_tokens_to_ids("<mem>")
