@@ -390,10 +390,7 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
         out[k] = memory_diagnostics(trajs, tasks) | {"p_by_round": p_by_round(model, tokenizer, trajs, threshold,
                                                                               mask_mode, think)}
         torch.manual_seed(k)
-        strajs = [t for i in range(0, len(tasks), 64)
-                  for t in rollout(model, tokenizer, tasks[i:i + 64], 1, tool, sampled)]
-        for j, t in enumerate(strajs):
-            t.group_id = j
+        strajs = run_episodes(model, tokenizer, tasks, tool, sampled)
         out[k]["probe"] = probe_by_found(model, tokenizer, strajs, tasks, threshold, mask_mode, think)
         d = out[k]
         print(f"K={k}: retention {d['retention']:.3f}  faithfulness {d['faithfulness']:.3f}  "
