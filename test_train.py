@@ -240,10 +240,10 @@ def test_resume_during_sft_gives_the_uninterrupted_weights(tmp_path, monkeypatch
     train.main(["--run", str(tmp_path / "full")] + TINY)
     real = train.sft_batch
 
-    def crash_at_8(tokenizer, cfg, step):           # the process dies in step 8, after the step-5 checkpoint
+    def crash_at_8(tokenizer, cfg, step, *args):    # the process dies in step 8, after the step-5 checkpoint
         if step == 8:
             raise KeyboardInterrupt
-        return real(tokenizer, cfg, step)
+        return real(tokenizer, cfg, step, *args)
     monkeypatch.setattr(train, "sft_batch", crash_at_8)
     with pytest.raises(KeyboardInterrupt):
         train.main(["--run", str(tmp_path / "killed")] + TINY)
@@ -254,6 +254,31 @@ def test_resume_during_sft_gives_the_uninterrupted_weights(tmp_path, monkeypatch
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "killed" / "final").state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_stage_sft_trains_a_checkpoint_on_its_system_prompt(tmp_path):
+    """--stage sft runs the embedded SFT on --model (auto would go straight to RL), and every SFT row,
+    copy rows included, carries the run's system prompt, the one its rollouts will see."""
+    train.main(["--run", str(tmp_path / "base")] + TINY)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("answer every question . search first")
+    cfg = train.parse_args(TINY)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "base" / "final")
+    head = tok.encode("<|system|> answer every question . search first <|end|>", add_special_tokens=False)
+    for rows in (train.copy_batch(tok, cfg, 0, prompt.read_text()), train.sft_batch(tok, cfg, 10, prompt.read_text())):
+        assert rows and all(r.ids[:len(head)] == head for r in rows)
+    args = ["--model", str(tmp_path / "base" / "final"), "--system-prompt", str(prompt)] + TINY
+    train.main(["--run", str(tmp_path / "auto")] + args)
+    train.main(["--run", str(tmp_path / "sft"), "--stage", "sft"] + args)
+    assert not os.path.exists(tmp_path / "auto" / "metrics.jsonl")             # auto with --model: no SFT (and no RL)
+    stages = {r["stage"] for r in read_metrics(tmp_path / "sft" / "metrics.jsonl").values()}
+    assert stages == {"sft"}
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "base" / "final").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "final").state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "sft" / "final" / "system_prompt.txt").read_text().strip() == prompt.read_text()
+    with pytest.raises(SystemExit):
+        train.parse_args(["--stage", "pretrain"])
 
 
 def test_non_finite_update_is_skipped_and_weights_untouched():

@@ -101,6 +101,7 @@ class Config:
     tokenizer: str = "word"    # embedded world: word (one token per word) | bpe (byte-level BPE, Qwen2 model)
     precision: str = "auto"    # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16; weights stay fp32
     sft_data: str = ""         # chat-format trajectory JSONL: SFT stage for any --model
+    stage: str = "auto"        # where the run starts: auto (sft for the embedded model or --sft-data, else rl) | sft | rl
     hidden: int = 128          # tiny embedded model
     layers: int = 3            # 3 thin layers, not 2 wide ones: see README (copying names from memory)
     heads: int = 8
@@ -174,6 +175,8 @@ def parse_args(argv=None) -> Config:
         "tokenizer": "embedded world tokenizer: word | bpe (byte-level BPE, tags and names several tokens)",
         "precision": "auto | fp32 | bf16: bf16 autocast forward over fp32 master weights (auto = bf16 on CUDA)",
         "sft_data": "JSONL of chat-format trajectories (messages): SFT stage of --model before RL",
+        "stage": "auto | sft | rl: sft runs the embedded-world SFT on --model too (e.g. after MemTrain, or to "
+                 "adapt a checkpoint to --system-prompt); rl skips SFT; auto = sft unless --model without --sft-data",
         "hidden": "hidden size of the tiny embedded model", "layers": "layers of the tiny embedded model",
         "heads": "attention heads of the tiny embedded model", "ffn": "MLP width of the tiny embedded model",
         "sft_steps": "SFT cold-start steps (embedded default only; 0 skips)", "sft_batch": "rounds per SFT step",
@@ -229,6 +232,8 @@ def parse_args(argv=None) -> Config:
         else:
             p.add_argument(flag, type=type(default), default=default, help=helps[name])
     cfg = Config(**vars(p.parse_args(argv)))
+    if cfg.stage not in ("auto", "sft", "rl"):
+        p.error(f"--stage {cfg.stage}: choose auto, sft or rl")
     if cfg.faithful:
         cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.mem_gate, cfg.threshold = "separate", "std", 1.0, False, 0.5
     return cfg
@@ -441,7 +446,7 @@ def file_batch(tokenizer, cfg: Config, step: int, trajectories: list[dict], syst
     return out[: cfg.sft_batch]
 
 
-def sft_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
+def sft_batch(tokenizer, cfg: Config, step: int, system_prompt: str = data.SYSTEM_PROMPT) -> list[Sample]:
     """A batch of ``cfg.sft_batch`` expert rounds from a world drawn for this step only."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     world = data.make_world(rng.randrange(10**9))
@@ -456,14 +461,15 @@ def sft_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
         n_rounds = len(data.expert_episode(task))                        # the same count with or without forgetting
         keep = set(rng.sample(range(n_rounds), min(n_rounds, 4)))        # a few rounds per episode: more episodes
         forget = rng.random() < cfg.forget_p
-        out += expert_samples(tokenizer, task, tool, forget, mem_answer=cfg.sft_mem_answer, rng=rng, rounds=keep)
+        out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt,
+                              mem_answer=cfg.sft_mem_answer, rng=rng, rounds=keep)
         if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay
-            probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, rounds=keep,
+            probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, system_prompt, rounds=keep,
                                     context=cfg.train_context, think=cfg.probe_think)
     return out[: cfg.sft_batch] + probes
 
 
-def copy_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
+def copy_batch(tokenizer, cfg: Config, step: int, system_prompt: str = data.SYSTEM_PROMPT) -> list[Sample]:
     """Warm-up rows: a random question -> its objectives copied as ``<mem>`` entries.
 
     A tiny model learns to copy a name from its context only after a long loss plateau. On these
@@ -479,7 +485,7 @@ def copy_batch(tokenizer, cfg: Config, step: int) -> list[Sample]:
         chains = [[rng.choice(names)] + [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))]
                   for _ in range(rng.randint(1, 4))]
         question = data.format_question(chains)
-        ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], data.SYSTEM_PROMPT))
+        ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], system_prompt))
         mem = data.format_mem({k: data.open_path(c) for k, c in enumerate(chains)})
         out.append(Sample(ctx + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False), len(ctx)))
     return out
@@ -508,9 +514,9 @@ def run_sft(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: 
         if trajectories is not None:
             samples = file_batch(tokenizer, cfg, step, trajectories, system_prompt)
         elif step < cfg.sft_copy_steps:
-            samples = copy_batch(tokenizer, cfg, step)
+            samples = copy_batch(tokenizer, cfg, step, system_prompt)
         else:
-            samples = sft_batch(tokenizer, cfg, step)
+            samples = sft_batch(tokenizer, cfg, step, system_prompt)
         n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))     # every rank builds the whole batch
         samples = samples[DIST.rank::DIST.world]                              # torchrun: this rank's rows
         optimizer.zero_grad(set_to_none=True)
@@ -1177,7 +1183,8 @@ def main(argv=None) -> None:
     if cfg.sft_data:
         trajectories = data.load_trajectories(cfg.sft_data)
     from transformers import AutoTokenizer
-    state = {"stage": "sft" if cfg.sft_data or not cfg.model else "rl", "step": 0}   # a real model: RL unless --sft-data
+    start = cfg.stage if cfg.stage != "auto" else "sft" if cfg.sft_data or not cfg.model else "rl"
+    state = {"stage": start, "step": 0}         # auto: a --model goes straight to RL unless --sft-data
     trainer = None
     if cfg.resume and os.path.exists(os.path.join(ckpt, "trainer.pt")):
         trainer = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
