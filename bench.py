@@ -16,9 +16,11 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
    1) with the prefix cache on and off vs the same agent loop whose engine is replaced by a naive one:
    ``model.generate`` per round, every prompt prefilled in full, finished rows decoding until the longest
    is done. The three run interleaved, build the same per-round prompts (same bookkeeping code) and use the
-   protocol prompt of the real-model path (``rollout.PROTOCOL_PROMPT``, hundreds of tokens: the prefix the
-   cache saves; a word-level checkpoint reads most of its words as ``<unk>``), then, sampled only, the
-   checkpoint's own system prompt (``rollout_speedup_own_prompt``). Trajectories/s of each, the ratios
+   protocol prompt of the real-model path (``rollout.PROTOCOL_PROMPT``, 205 tokens: the prefix the cache
+   saves; a word-level checkpoint reads most of its words as ``<unk>``) with the checkpoint ADAPTED to that
+   prompt (``protocol_model``: a policy trained on its own short prompt answers at once under a long one it
+   never saw, so the rows would time one round and nothing to reuse); then, sampled only, the checkpoint
+   itself under its own system prompt (``rollout_speedup_own_prompt``). Trajectories/s of each, the ratios
    (``rollout_speedup_no_prefix_cache``, ``rollout_prefix_cache_gain`` = on / off). At temperature 0 all
    three must write identical trajectories (checked, and timed too).
 3. **memory-reward scoring** (``scoring_speedup``): ``reward.answer_logprobs`` over the 2N
@@ -100,6 +102,30 @@ def load(args, device: torch.device):
     if not path:                       # train the test suite's SFT recipe once; later runs reuse it
         train.main(["--run", os.path.dirname(DEFAULT_CHECKPOINTS[-1]), "--device", device.type] + train.SMALL_SFT_ARGS)
         path = DEFAULT_CHECKPOINTS[-1]
+    return engine.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
+
+
+def protocol_model(args, model, tok, source: str, device: torch.device):
+    """(model, tokenizer, what it is) for figure 2's protocol-prompt rows: a policy that writes multi-round
+    episodes UNDER that prompt, so the prefix cache has rounds to save. A checkpoint of this project trained
+    on its own short prompt answers at once under a 205-token prompt it never saw (1.0 rounds a rollout), which
+    times one round and nothing to reuse. So the first run adapts the checkpoint to the protocol prompt
+    (``train.py --stage sft --system-prompt``: 300 SFT steps of the default recipe, every row under that
+    prompt; ~6-10 min on 2 CPU cores, not counted) and keeps it in ``--protocol-checkpoint``; later runs
+    reuse it. A random model (``--model-shape``) is used as it is."""
+    if args.model_shape != "tiny":
+        return model, tok, source
+    from transformers import AutoTokenizer
+    path = args.protocol_checkpoint
+    if not os.path.exists(path):
+        run = os.path.dirname(path)
+        os.makedirs(run, exist_ok=True)
+        prompt = os.path.join(run, "protocol_prompt.txt")
+        with open(prompt, "w", encoding="utf-8") as f:
+            f.write(PROTOCOL_PROMPT)
+        train.main(["--run", run, "--model", source, "--stage", "sft", "--system-prompt", prompt,
+                    "--sft-copy-steps", "0", "--sft-steps", "300", "--sft-lr", "3e-4", "--rl-steps", "0",
+                    "--eval-every", "0", "--device", device.type])
     return engine.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
 
 
@@ -369,6 +395,8 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="fewer repeats and shorter decodes (under 3 minutes on CPU)")
     p.add_argument("--checkpoint", default="",
                    help="model folder (default: runs/default/final, else runs/bench_sft/final, trained on first use)")
+    p.add_argument("--protocol-checkpoint", default="runs/bench_protocol/final",
+                   help="figure 2's policy under the protocol prompt: the checkpoint adapted to it (made on first use)")
     p.add_argument("--model-shape", default="tiny", choices=["tiny", "qwen2.5-0.5b"],
                    help="tiny: the checkpoint; qwen2.5-0.5b: a random model of that shape (bf16 on CUDA)")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats per figure (default 5, quick 3)")
@@ -380,6 +408,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     t_start = time.time()
     model, tok, source = load(args, device)
+    p_model, p_tok, p_source = protocol_model(args, model, tok, source, device)
     cfg = train.parse_args([])
     n_new = 64 if args.quick else cfg.max_new_tokens
 
@@ -387,7 +416,7 @@ def main(argv=None) -> None:
         dec = bench_decode(model, tok, device, n_new, repeats)
         # the real-model path's protocol prompt (hundreds of tokens), then the checkpoint's own prompt (what it trained on)
         own_prompt = engine.checkpoint_prompt(source) if os.path.isdir(source) else PROTOCOL_PROMPT
-        ro = bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens, PROTOCOL_PROMPT)
+        ro = bench_rollout(p_model, p_tok, device, cfg, repeats, cfg.max_new_tokens, PROTOCOL_PROMPT)
         ro_own = (bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens, own_prompt, greedy=False)
                   if own_prompt != PROTOCOL_PROMPT else None)
         trajs = (ro_own or ro).pop("trajs")       # one sampled 8x8 rollout: scored in 3, collated in 6
@@ -408,8 +437,8 @@ def main(argv=None) -> None:
     cache_note = lambda x: (f"cache off {x['off_traj_s']:.2f} traj/s ({x['speedup_off']:.2f}x naive), on/off "
                             f"{x['on_vs_off']:.2f}; rounds/traj {x['rounds_on']:.2f} vs {x['rounds_naive']:.2f}")
     row(f"2 rollout traj/s (8 x G=8, snail, T=1)", s["on_traj_s"], s["naive_traj_s"], s["speedup"],
-        f"protocol prompt ({ro['prefix_tokens']:.0f}-token prefix), prefix cache on vs model.generate per round; "
-        + cache_note(s))
+        f"protocol prompt ({ro['prefix_tokens']:.0f}-token prefix; {p_source}), prefix cache on vs "
+        f"model.generate per round; " + cache_note(s))
     row("  rollout traj/s (same, greedy)", g["on_traj_s"], g["naive_traj_s"], g["speedup"],
         f"{cache_note(g)}; identical trajectories {g['identical']}")
     if ro_own is not None:
@@ -451,7 +480,8 @@ def main(argv=None) -> None:
     print(json.dumps({
         "decode_speedup": r3(dec["speedup"]), "rollout_speedup": r3(s["speedup"]),
         "rollout_speedup_no_prefix_cache": r3(s["speedup_off"]), "rollout_prefix_cache_gain": r3(s["on_vs_off"]),
-        "rollout_prefix_tokens": round(ro["prefix_tokens"]),
+        "rollout_prefix_tokens": round(ro["prefix_tokens"]), "rollout_model": p_source,
+        "rollout_rounds_per_traj": r3(s["rounds_on"]),
         "rollout_speedup_own_prompt": r3(ro_own["sampled"]["speedup"]) if ro_own else None,
         "scoring_speedup": r3(sc[8192]["speedup"]) if sc["n"] else None,
         "snail_round_cost_ratio_64_vs_8": r3(cx["snail_ratio_64_vs_8"]), "padding_waste": r3(pad["after"]),
