@@ -169,7 +169,7 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
                  "conf_full": mean([float(a > threshold) for a, _ in v]),
                  "conf_mem": mean([float(b > threshold) for _, b in v])} for lab, v in acc.items()}
     out["reward_by_round"] = {lab: {"n": len(v), "mem_reward": mean(v)} for lab, v in by_round.items()}
-    out["empty_frac"] = m["empty_frac"]
+    out["empty_frac"], out["no_signal_frac"] = m["empty_frac"], m["no_signal_frac"]
     return out
 
 
@@ -406,7 +406,7 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
                                             if lab in ("not found", "kept", "dropped")))
             print("      memory reward by round: " + "  ".join(
                 f"{lab}: {v['mem_reward']:+.3f} n={v['n']}" for lab, v in pr["reward_by_round"].items())
-                  + f"  empty masks {pr['empty_frac']:.2f}")
+                  + f"  a probe empty {pr['empty_frac']:.2f}, both empty (reward 0) {pr['no_signal_frac']:.2f}")
     return out
 
 

@@ -337,7 +337,8 @@ def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float =
     scored = [(i, t) for i, tr in enumerate(trajs) for t, r in enumerate(tr.rounds)
               if t >= 1 and r.mem_end > 0]
     out = {"rewards": [[] for _ in trajs], "rounds": [[] for _ in trajs], "p_mem": [],
-           "p_full": [], "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "n": len(scored), "ungrounded": 0}
+           "p_full": [], "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "no_signal_frac": 0.0,
+           "n": len(scored), "ungrounded": 0}
     if not scored:
         return out
     templates = {i: answer_template(tokenizer, trajs[i].golds, think) for i, _ in scored}
@@ -379,7 +380,11 @@ def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float =
         out["rounds"][i].append(t)
     out["p_mem"], out["p_full"] = p_mem.tolist(), p_full.tolist()
     out["mask_mem"], out["mask_full"] = n_mem.tolist(), n_full.tolist()
+    # empty_frac: a probe with no confident answer word on either side. With separate masks that includes
+    # a dropped answer (P_full confident, P_mem empty: a strong negative reward); no_signal_frac is the
+    # share where NEITHER probe is confident, the only rounds whose reward is 0 by construction
     out["empty_frac"] = float(((n_full == 0) | (n_mem == 0)).float().mean())
+    out["no_signal_frac"] = float(((n_full == 0) & (n_mem == 0)).float().mean())
     return out
 
 

@@ -281,8 +281,13 @@ def test_memory_reward_sign(tok, copy_model):
     assert out["rounds"] == [[1], [1]] and out["n"] == 2
     assert out["p_full"][0] == pytest.approx(out["p_full"][1], abs=1e-5) and out["p_full"][0] > 0.5
     assert out["p_mem"][0] == 0.0 and out["mask_mem"] == [0, 1] and out["mask_full"] == [1, 1]
-    assert out["empty_frac"] == 0.5
+    assert out["empty_frac"] == 0.5 and out["no_signal_frac"] == 0.0   # a dropped answer is a signal, not silence
     assert r_lost < -0.5                    # the memory dropped the entity the full context had
+    unseen = _trajectory(tok, x, [f"1 : friend {x}"])
+    unseen.golds = [[NAMES[6]]]             # an answer neither context holds: no confident word on either side
+    three = memory_rewards(copy_model, tok, [lost, kept, unseen])
+    assert three["mask_full"][2] == three["mask_mem"][2] == 0 and three["rewards"][2] == [0.0]
+    assert three["no_signal_frac"] == pytest.approx(1 / 3) and three["empty_frac"] == pytest.approx(2 / 3)
     assert r_kept > 0.05 and r_kept > r_lost + 0.5
     # plumbing: P_mem is exactly p(x | prompt + "<mem> ... </mem>") from a direct call
     ids, _ = answer_template(tok, [[x]])
@@ -325,7 +330,8 @@ def test_memory_reward_rounds_and_nothing_to_score(tok):
     skip = _trajectory(tok, x, [None])                 # round 2 has no <mem>: nothing to score
     out = memory_rewards(NoForward(), tok, [skip, _trajectory(tok, x, [])])
     assert out == {"rewards": [[], []], "rounds": [[], []], "p_mem": [], "p_full": [],
-                   "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "n": 0, "ungrounded": 0}
+                   "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "no_signal_frac": 0.0, "n": 0,
+                   "ungrounded": 0}
     assert memory_rewards(NoForward(), tok, [])["rewards"] == []
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     mixed = _trajectory(tok, x, ["1", None, "2 friend", f"1 : friend {x}"])

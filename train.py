@@ -616,10 +616,10 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
     if mem is not None:
         flat = gather([x for r in mem["rewards"] for x in r])
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
-        n_empty = sum(gather([mem["empty_frac"] * mem["n"]]))
+        n_empty, n_none = all_sum([mem["empty_frac"] * mem["n"], mem["no_signal_frac"] * mem["n"]])
         m.update(mem_reward=mean(flat), p_mem=mean(gather(mem["p_mem"])), p_full=mean(gather(mem["p_full"])),
                  mask_mem=mean(gather(mem["mask_mem"])), mask_full=mean(gather(mem["mask_full"])),
-                 empty_frac=n_empty / len(flat) if flat else 0.0,
+                 empty_frac=n_empty / len(flat) if flat else 0.0, no_signal_frac=n_none / len(flat) if flat else 0.0,
                  mem_rounds=len(flat), ungrounded=sum(gather([mem["ungrounded"]])),
                  # mean over the advantage's pools (per question; per round / nonzero as --mem-adv-norm) of the
                  # pool std; a group never spans ranks, so each rank's pools are whole: gather the per-pool stds
