@@ -138,10 +138,7 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
     m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode, think=think)
     acc: dict[str, list] = {"not found": [], "kept": [], "dropped": []}
     by_round: dict[str, list] = {"none found": [], "kept": [], "dropped": []}
-    k_reward = {}
-    for i, rs in enumerate(m["rounds"]):
-        for t, r in zip(rs, m["rewards"][i]):
-            k_reward[(i, t)] = r
+    rewards = [x for rs in m["rewards"] for x in rs]        # in m["scored"] order (trajectory, then round)
     for r, (i, t) in enumerate(m.get("scored", [])):
         tr = trajs[i]
         tools = [rec.text for rec in tr.records if rec.type in ("search_results", "webpage")]
@@ -163,7 +160,7 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
             acc[label].append((math.exp(lp_full), math.exp(lp_mem)))
             labels.append(label)
         rl = "dropped" if "dropped" in labels else "kept" if "kept" in labels else "none found"
-        by_round[rl].append(k_reward[(i, t)])
+        by_round[rl].append(rewards[r])
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
     out = {lab: {"n": len(v), "p_full": mean([a for a, _ in v]), "p_mem": mean([b for _, b in v]),
                  "conf_full": mean([float(a > threshold) for a, _ in v]),
