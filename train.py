@@ -267,6 +267,21 @@ class Sample:
     traj: int | None = None  # trajectory id (rows of one trajectory form one "sequence"); None = its own
 
 
+def episode_records(question: str, rounds: list[tuple[str, str | None]]):
+    """Walk one episode: yield ``(t, text, records before round t)``, the records the agent loop would hold.
+
+    ``rounds[t] = (assistant text, tool result or None)``. The one walk behind the policy's SFT rows and
+    the probe rows; a caller encodes the records it needs (``prepare_prompt``: snail or full context).
+    """
+    records = [Record("prompt", question)]
+    for t, (text, tool_text) in enumerate(rounds):
+        yield t, text, records
+        records.append(Record("llm_gen", text))
+        if tool_text is not None:
+            kind = "webpage" if parse_action(text)[0] == "access" else "search_results"
+            records.append(tool_record(kind, tool_text))
+
+
 def episode_samples(tokenizer, question: str, rounds: list[tuple[str, str | None]], system_prompt: str,
                     mem_prefix: bool = True, keep: set[int] | None = None, context: str = "snail") -> list[Sample]:
     """Render one episode's rounds as training rows, exactly as the agent loop would see them.
@@ -276,36 +291,42 @@ def episode_samples(tokenizer, question: str, rounds: list[tuple[str, str | None
     (0-based round indices) renders only those rows; None renders all.
     """
     prefix = tokenizer.encode("<mem>", add_special_tokens=False) if mem_prefix else []
-    records, out = [Record("prompt", question)], []
-    for t, (text, tool_text) in enumerate(rounds):
+    out = []
+    for t, text, records in episode_records(question, rounds):
         if keep is None or t in keep:
             ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None if context == "full" else 1))
             pre = prefix if t > 0 and text.startswith("<mem>") else []
             body = text[len("<mem>"):] if pre else text
             out.append(Sample(ctx + pre + tokenizer.encode(body, add_special_tokens=False), len(ctx) + len(pre)))
-        records.append(Record("llm_gen", text))
-        if tool_text is not None:
-            kind = "webpage" if parse_action(text)[0] == "access" else "search_results"
-            records.append(tool_record(kind, tool_text))
     return out
+
+
+def expert_turns(task: data.Task, tool: SearchTool, forget: bool) -> list[tuple[str, tuple[str, str] | None, str | None]]:
+    """The scripted expert's episode with the BM25 tool's real results: ``(round text, query, tool result)``."""
+    return [(text, q, tool.search(" ".join(q)) if q is not None else None)
+            for text, q in data.expert_episode(task, forget)]
 
 
 def expert_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, mem_prefix: bool = True,
                    system_prompt: str = data.SYSTEM_PROMPT, mem_answer: float = 0.0,
-                   rng: random.Random | None = None, rounds: set[int] | None = None) -> list[Sample]:
+                   rng: random.Random | None = None, rounds: set[int] | None = None,
+                   turns: list | None = None) -> list[Sample]:
     """Rows of one scripted expert episode (``episode_samples`` with the BM25 tool's real results).
+
+    ``turns``: the episode's ``expert_turns`` when the caller has them (sft_batch shares them with the
+    probe rows); else they are made here.
 
     With ``mem_answer`` > 0, each rendered round >= 2 also yields (with that probability) a memory-only
     row: ``mem_traj`` (initial prompt + the round's ``<mem>``) -> ``<think> answer </think> <answer> ...``,
     answering from memory alone (``unknown`` where it holds no answer) -- the context P_mem scores.
     """
-    episode = data.expert_episode(task, forget)
-    turns = [(text, tool.search(" ".join(q)) if q is not None else None) for text, q in episode]
-    out = episode_samples(tokenizer, task.question, turns, system_prompt, mem_prefix, rounds)
+    turns = turns if turns is not None else expert_turns(task, tool, forget)
+    out = episode_samples(tokenizer, task.question, [(text, res) for text, _, res in turns], system_prompt,
+                          mem_prefix, rounds)
     if mem_answer > 0 and rng is not None:
         prompt_ids = encode_chat(tokenizer, prepare_prompt([Record("prompt", task.question)], system_prompt))
         rows, k = [], 0
-        for t, (text, _) in enumerate(episode):
+        for t, (text, _, _) in enumerate(turns):
             if rounds is not None and t not in rounds:
                 continue
             rows.append(out[k])
@@ -403,7 +424,7 @@ def autocast(cfg: Config, device: torch.device):
 
 def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rng: random.Random, p: float,
                   system_prompt: str = data.SYSTEM_PROMPT, rounds: set[int] | None = None,
-                  context: str = "snail", think: str = data.PROBE) -> list[Sample]:
+                  context: str = "snail", think: str = data.PROBE, turns: list | None = None) -> list[Sample]:
     """Probe rows: teach the policy to answer from BOTH contexts the memory reward scores (issue 13).
 
     For each expert round t >= 2 (``rounds`` of them; with probability ``p``) two rows, so neither probe is
@@ -413,13 +434,14 @@ def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rn
     the reward's own template ``<think> probe </think> <answer> a1 ; a2 </answer>``; the loss starts at the
     first answer word, so the marker (``<think> probe``) is never learnt as an output: the policy's own
     choice after ``</mem>`` (search or answer) gets no gradient from these rows and it does not learn to
-    stop early (what ``--sft-mem-answer`` rows, which do train ``<think> answer``, did).
+    stop early (what ``--sft-mem-answer`` rows, which do train ``<think> answer``, did). ``turns``: as in
+    ``expert_samples``.
     """
-    episode = data.expert_episode(task, forget)
-    records = [Record("prompt", task.question)]
-    prompt_ids = encode_chat(tokenizer, prepare_prompt(records, system_prompt))
+    turns = turns if turns is not None else expert_turns(task, tool, forget)
+    episode = [(text, q) for text, q, _ in turns]
+    prompt_ids = encode_chat(tokenizer, prepare_prompt([Record("prompt", task.question)], system_prompt))
     out = []
-    for t, (text, q) in enumerate(episode):
+    for t, text, records in episode_records(task.question, [(text, res) for text, _, res in turns]):
         if t >= 1 and (rounds is None or t in rounds) and rng.random() < p:
             ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None if context == "full" else 1))
             mem_ctx = prompt_ids + tokenizer.encode(f"<mem> {extract_mem(text)} </mem>", add_special_tokens=False)
@@ -428,9 +450,6 @@ def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rn
                 ids, words = answer_template(tokenizer, [[a] for a in answer.split(" ; ")], think)
                 first = next(j for j, w in enumerate(words) if w)
                 out.append(Sample(c + ids, len(c) + first))
-        records.append(Record("llm_gen", text))
-        if q is not None:
-            records.append(tool_record("search_results", tool.search(" ".join(q))))
     return out
 
 
@@ -461,11 +480,12 @@ def sft_batch(tokenizer, cfg: Config, step: int, system_prompt: str = data.SYSTE
         n_rounds = len(data.expert_episode(task))                        # the same count with or without forgetting
         keep = set(rng.sample(range(n_rounds), min(n_rounds, 4)))        # a few rounds per episode: more episodes
         forget = rng.random() < cfg.forget_p
+        turns = expert_turns(task, tool, forget)                         # searched once for both kinds of row
         out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt,
-                              mem_answer=cfg.sft_mem_answer, rng=rng, rounds=keep)
+                              mem_answer=cfg.sft_mem_answer, rng=rng, rounds=keep, turns=turns)
         if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay
             probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, system_prompt, rounds=keep,
-                                    context=cfg.train_context, think=cfg.probe_think)
+                                    context=cfg.train_context, think=cfg.probe_think, turns=turns)
     return out[: cfg.sft_batch] + probes
 
 
