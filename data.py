@@ -517,8 +517,9 @@ def export(folder: str, ks: tuple[int, ...] = (1, 2, 4, 6), n: int = 64, episode
 
     ``test_k{K}.jsonl`` (Search-R1 QA: ``question``, ``golden_answers`` as K alias lists) and
     ``corpus_k{K}.jsonl`` (wiki-18: ``id``, ``contents``) hold exactly the held-out test set of ``eval.py``
-    (same worlds, same questions); ``sft_trajectories.jsonl`` holds ``episodes`` expert episodes (half
-    with the forgetting flaw, K 1-4, 1-3 hops, training worlds) as chat-format ``messages``.
+    (same worlds, same questions); ``sft_trajectories.jsonl`` holds ``episodes`` expert episodes (one in
+    four with the forgetting flaw, as train.py's ``--forget-p 0.25``; K 1-4, 1-3 hops, training worlds) as
+    chat-format ``messages``.
     """
     from rollout import SearchTool      # the tool's output is part of a trajectory (CLI only)
     os.makedirs(folder, exist_ok=True)
@@ -537,7 +538,7 @@ def export(folder: str, ks: tuple[int, ...] = (1, 2, 4, 6), n: int = 64, episode
             world = make_world(rng.randrange(10**9))
             tool, task = SearchTool(world.docs), make_task(world, rng, rng.randint(1, 4))
             msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
-            for text, query in expert_episode(task, forget=e % 2 == 1):
+            for text, query in expert_episode(task, forget=e % 4 == 3):
                 msgs.append({"role": "assistant", "content": text})
                 if query is not None:
                     msgs.append({"role": "tool", "content": tool.search(" ".join(query))})

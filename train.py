@@ -111,7 +111,7 @@ class Config:
     sft_batch: int = 64
     sft_lr: float = 1e-3
     sft_copy_steps: int = 800   # warm-up steps on a pure copy task (the 3-layer model learns to copy at ~650-850)
-    forget_p: float = 0.5      # fraction of expert episodes whose <mem> forgets earlier objectives
+    forget_p: float = 0.25     # fraction of expert episodes whose <mem> forgets earlier objectives (issue 13: 0.5 -> 0.25)
     sft_objectives: str = "1-4"
     hops: str = "1-3"
     # RL
