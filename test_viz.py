@@ -55,7 +55,7 @@ class Page(HTMLParser):
         if tag == "th":
             self.heads.append(dict(a, text=""))
         if tag == "td" and "r" in cls.split():
-            self.cells.append(dict(a, tokens=[], text=""))
+            self.cells.append(dict(a, tokens=[], text="", context=""))
         if tag == "div" and cls == "t":
             self.cells[-1]["values"] = {k[5:]: float(v) for k, v in a.items() if k.startswith("data-c")}
         if tag == "div" and cls == "pr" and "data-p-full" in a:
@@ -69,6 +69,8 @@ class Page(HTMLParser):
     def handle_data(self, d):
         if self.stack and self.stack[-1][0] == "span" and any(t == "div" and c == "t" for t, c in self.stack):
             self.cells[-1]["tokens"].append((self.stack[-1][1], d))
+        if any(t == "pre" for t, _ in self.stack):
+            self.cells[-1]["context"] += d
         if any(t == "th" for t, _ in self.stack):
             self.heads[-1]["text"] += d
         elif self.cells and any(t == "td" for t, _ in self.stack):
@@ -159,6 +161,30 @@ def test_every_token_carries_the_advantage_it_was_trained_with(step):
     assert any(t.rounds[1].mem_end > len(t.rounds[1].prefix_ids) for t in step["trajs"] if len(t.rounds) > 1)
 
 
+@pytest.mark.parametrize("context", ["snail", "full"])
+def test_context_as_the_policy_saw_it(step, context):
+    """Each round's context decodes its context_ids; a repeated previous context is named, and expands back."""
+    tok, trajs = step["tok"], step["trajs"][:3]          # the replayed expert episodes, snail context
+    if context == "full":                                 # the same episodes, each round seeing everything before it
+        trajs = [Trajectory(t.question, t.golds, t.group_id, t.prompt_ids, t.records) for t in trajs]
+        for t, snail in zip(trajs, step["trajs"]):
+            n_records = 1                                 # the records before round k: prompt, then round + tool
+            for r in snail.rounds:
+                ctx = encode_chat(tok, prepare_prompt(t.records[:n_records], data.SYSTEM_PROMPT, None))
+                t.rounds.append(Round(ctx, r.prefix_ids, r.output_ids, r.text, r.mem_end, r.action))
+                n_records += 1 + (r.action in ("search", "access"))
+    cells = {(int(c["data-traj"]), int(c["data-round"])): c for c in parse(page_html(step_record(trajs, tok))).cells}
+    named = 0
+    for (i, t), cell in sorted(cells.items()):
+        m = re.match(r"\[round (\d+)'s context: (\d+) characters\]", cell["context"])
+        if m:
+            named += 1
+            assert int(m.group(1)) == t and len(cells[(i, t - 1)]["context"]) == int(m.group(2))
+            cell["context"] = cells[(i, t - 1)]["context"] + cell["context"][m.end():]
+        assert cell["context"] == tok.decode(trajs[i].rounds[t].context_ids)
+    assert named >= (sum(len(t.rounds) - 1 for t in trajs) if context == "full" else len(trajs))
+
+
 def test_failed_format_shows_its_rule(step):
     p = parse(step["page"])
     heads = sorted(p.heads, key=lambda h: int(re.search(r"trajectory (\d+)", h["text"]).group(1)))
@@ -208,6 +234,8 @@ def test_format_episode_fits_100_columns(step):
                     assert f"P_full {rd['p_full']:.3f}  P_mem {rd['p_mem']:.3f}" in text
             if not ro["valid"]:
                 assert ro["rule"] in text
+    free = dict(record["questions"][0], golds=[])                  # eval --question: a question with no gold
+    assert "no gold to score against" in format_episode(free, free["rollouts"][0])
     long = dict(record["questions"][0]["rollouts"][0])
     long["rounds"] = [dict(long["rounds"][0], mem="x" * 250)]       # an unbroken word still wraps
     assert all(len(line) <= 100 for line in format_episode(record["questions"][0], long).splitlines())

@@ -42,15 +42,18 @@ import html
 import json
 import math
 import os
+import random
 import re
 import textwrap
 
 import torch
+from transformers import AutoTokenizer
 
-from grpo import token_advantages
+import data
+from grpo import grouped_advantage, memory_advantage, token_advantages
 from memory import extract_mem
-from reward import outcome_reward
-from rollout import parse_action
+from reward import memory_rewards, outcome_reward
+from rollout import AgentConfig, SearchTool, checkpoint_prompt, load_model, parse_action, pick_device, rollout
 
 THINK_RE = re.compile(r"<think>(.*?)</think>", re.S)
 RULE_RE = re.compile(r"^(rule \d+)")
@@ -229,7 +232,15 @@ def _tokens_html(rd: dict, vmax: float) -> str:
     return f'<div class=t{attrs} style="{style}">{"".join(spans)}</div>'
 
 
-def _round_html(rd: dict, i: int, t: int, fail: bool, vmax: float, has_mem: bool) -> str:
+def _context_html(context: str, prev: str | None, t: int) -> str:
+    """The round's context; the part that repeats the previous round's context (full context, and snail's
+    round 2) is named, not repeated: without that a full-context page of long episodes passes 5 MB."""
+    if prev and context.startswith(prev):
+        return f"<span class=n>[round {t}'s context: {len(prev)} characters]</span>{_e(context[len(prev):])}"
+    return _e(context)
+
+
+def _round_html(rd: dict, prev: str | None, i: int, t: int, fail: bool, vmax: float, has_mem: bool) -> str:
     probe = (f'<div class=pr data-p-full="{rd["p_full"]!r}" data-p-mem="{rd["p_mem"]!r}" '
              f'data-mem-reward="{rd["mem_reward"]!r}" data-adv-m="{rd["adv_m"]!r}">'
              f'P_full {rd["p_full"]:.3f} · P_mem {rd["p_mem"]:.3f} · r_mem {rd["mem_reward"]:+.3f} · '
@@ -239,7 +250,7 @@ def _round_html(rd: dict, i: int, t: int, fail: bool, vmax: float, has_mem: bool
     tool = f'<div class=tl>{_e(rd["tool"])}</div>' if rd["tool"] else ""
     return (f'<td class="r{" fail" if fail else ""}" data-traj={i} data-round={t}><div class=rh>round {t + 1} · {_e(rd["action"] or "no action")}'
             f'{" <span class=bad>✗ format fails here</span>" if fail else ""}</div>'
-            f'<details><summary>context · {rd["n_context"]} tokens</summary><pre>{_e(rd["context"])}</pre></details>'
+            f'<details><summary>context · {rd["n_context"]} tokens</summary><pre>{_context_html(rd["context"], prev, t)}</pre></details>'
             f'{_tokens_html(rd, vmax)}{tool}{probe}</td>')
 
 
@@ -263,8 +274,10 @@ def _question_html(q: dict, n: int, vmax: float, has_mem: bool) -> str:
     golds = " ; ".join(" | ".join(g) for g in q["golds"])
     rows = ["<tr>" + "".join(_rollout_head(ro, g) for g, ro in enumerate(ros)) + "</tr>"]
     for t in range(max((len(ro["rounds"]) for ro in ros), default=0)):
-        rows.append("<tr>" + "".join(_round_html(ro["rounds"][t], ro["index"], t, ro["fail_round"] == t + 1, vmax, has_mem)
-                                     if t < len(ro["rounds"]) else "<td></td>" for ro in ros) + "</tr>")
+        cells = [_round_html(ro["rounds"][t], ro["rounds"][t - 1]["context"] if t else None, ro["index"], t,
+                             ro["fail_round"] == t + 1, vmax, has_mem) if t < len(ro["rounds"]) else "<td></td>"
+                 for ro in ros]
+        rows.append("<tr>" + "".join(cells) + "</tr>")
     mean_score = sum(ro["score"] for ro in ros) / len(ros)
     return (f'<section id=q{n}><h2>question {n + 1} <span class=n>(group {q["group_id"]})</span>: {_e(q["question"])}</h2>'
             f'<div>gold: <b>{_e(golds)}</b> · mean score {mean_score:.3f} · '
@@ -315,12 +328,14 @@ def format_episode(question: dict, rollout: dict, width: int = 100) -> str:
         lines.extend(textwrap.wrap(str(text), width, initial_indent=head, subsequent_indent=" " * len(head),
                                    drop_whitespace=True) or [head.rstrip()])
 
-    golds = " ; ".join(" | ".join(g) for g in question["golds"]) or "(none given)"
+    golds = " ; ".join(" | ".join(g) for g in question["golds"])
+    lines.append(f"== trajectory {rollout['index']} (question group {question['group_id']}) ".ljust(width, "="))
     lines += textwrap.wrap(f"question: {question['question']}", width, subsequent_indent="  ")
-    lines += textwrap.wrap(f"gold: {golds}   answer: {rollout['answer']}", width, subsequent_indent="  ")
+    lines += textwrap.wrap(f"gold: {golds or '(none given)'}   answer: {rollout['answer']}", width, subsequent_indent="  ")
     verdict = "format ok" if rollout["valid"] else f"format FAILS {rollout['reason']}"
-    lines += textwrap.wrap(f"outcome: score {rollout['score']:.3f}  em {rollout['em']:.0f}  f1 {rollout['f1']:.3f}  "
-                           f"{verdict}", width, subsequent_indent="  ")
+    score = (f"score {rollout['score']:.3f}  em {rollout['em']:.0f}  f1 {rollout['f1']:.3f}  " if golds else
+             "no gold to score against  ")
+    lines += textwrap.wrap(f"outcome: {score}{verdict}", width, subsequent_indent="  ")
     for t, rd in enumerate(rollout["rounds"]):
         lines.append(f"-- round {t + 1} " + "-" * (width - 10 - len(str(t + 1))))
         put("memory", rd["mem"] if rd["mem"] is not None else "(no <mem>)")
@@ -343,11 +358,6 @@ def format_episode(question: dict, rollout: dict, width: int = 100) -> str:
 def demo_step(model, tokenizer, system_prompt: str, questions: int = 8, group: int = 8, seed: int = 0,
               objectives: tuple[int, ...] = (1, 2, 3, 4), max_turns: int = 16, max_new_tokens: int = 96) -> dict:
     """What ``train.rl_step`` computes before its update (default settings), on a fresh embedded world."""
-    import random
-    import data
-    from grpo import grouped_advantage, memory_advantage
-    from reward import memory_rewards
-    from rollout import AgentConfig, SearchTool, rollout
     rng = random.Random(seed)
     world = data.make_world(rng.randrange(10**9))
     tasks = [data.make_task(world, rng, rng.choice(objectives), (1, 3)) for _ in range(questions)]
@@ -379,10 +389,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", default="", help="also write the record as JSON here")
     p.add_argument("--show", type=int, default=0, help="print this many episodes as text (format_episode)")
     args = p.parse_args(argv)
-    import data
-    from rollout import checkpoint_prompt, load_model, pick_device
     if args.checkpoint:
-        from transformers import AutoTokenizer
         model = load_model(args.checkpoint, pick_device("cpu")).eval()
         tokenizer, prompt = AutoTokenizer.from_pretrained(args.checkpoint), checkpoint_prompt(args.checkpoint)
     else:
