@@ -15,7 +15,7 @@ from grpo import grouped_advantage, memory_advantage
 from memory import Record, mem_token_end, prepare_prompt, tool_record
 from reward import memory_rewards, outcome_reward
 from rollout import AgentConfig, Round, SearchTool, Trajectory, encode_chat, parse_action, rollout
-from viz import format_episode, page_html, step_record, write_page
+from viz import signed, format_episode, page_html, step_record, write_page
 
 W = 0.5       # a memory weight other than 1, so A_T + w * A_M is not A_T + A_M
 
@@ -132,7 +132,7 @@ def test_memory_rewards_on_the_page(step):
         pr = cells[(i, t)]["probe"]
         assert float(pr["data-p-full"]) == mem["p_full"][r] and float(pr["data-p-mem"]) == mem["p_mem"][r]
         assert float(pr["data-mem-reward"]) == mem["rewards"][i][k] and float(pr["data-adv-m"]) == step["mem_adv"][i][k]
-        assert f"r_mem {mem['rewards'][i][k]:+.3f}" in cells[(i, t)]["text"]
+        assert f"r_mem {signed(mem['rewards'][i][k])}" in cells[(i, t)]["text"]
     assert any(r != 0 for rs in mem["rewards"] for r in rs)
     unscored = [c for key, c in cells.items() if key not in set(mem["scored"])]
     assert unscored and all("probe" not in c and "no memory reward" in c["text"] for c in unscored)

@@ -205,6 +205,11 @@ def _num(x, fmt: str = "+.3f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def signed(x: float) -> str:
+    """A signed number that stays readable near 0 (a memory reward of -2e-07 is not "-0.000")."""
+    return f"{x:+.3f}" if x == 0 or abs(x) >= 0.001 else f"{x:+.1e}"
+
+
 def page_scale(record: dict) -> float:
     """The colour scale: the largest |advantage| on the page rounded up to a multiple of 0.5 (at least 0.5)."""
     top = max((abs(a) for q in record["questions"] for ro in q["rollouts"] for rd in ro["rounds"]
@@ -240,18 +245,27 @@ def _context_html(context: str, prev: str | None, t: int) -> str:
     return _e(context)
 
 
+def _probe_html(rd: dict, t: int, has_mem: bool) -> str:
+    """The round's memory reward: P_full, P_mem, r_mem = P_mem - P_full (gated), A_M; or why it has none."""
+    if rd.get("p_full") is None:
+        why = "round 1" if t == 0 else "no &lt;/mem&gt;" if has_mem else "GRPO"
+        return f"<div class='pr n'>no memory reward ({why})</div>"
+    return (f'<div class=pr data-p-full="{rd["p_full"]!r}" data-p-mem="{rd["p_mem"]!r}" '
+            f'data-mem-reward="{rd["mem_reward"]!r}" data-adv-m="{rd["adv_m"]!r}">'
+            f'P_full {rd["p_full"]:.3f} · P_mem {rd["p_mem"]:.3f} · r_mem <b>{signed(rd["mem_reward"])}</b><br>'
+            f'A_M <b>{_num(rd["adv_m"])}</b> <span class=n>· confident gold words {rd["mask_full"]} / {rd["mask_mem"]}'
+            f'</span></div>')
+
+
 def _round_html(rd: dict, prev: str | None, i: int, t: int, fail: bool, vmax: float, has_mem: bool) -> str:
-    probe = (f'<div class=pr data-p-full="{rd["p_full"]!r}" data-p-mem="{rd["p_mem"]!r}" '
-             f'data-mem-reward="{rd["mem_reward"]!r}" data-adv-m="{rd["adv_m"]!r}">'
-             f'P_full {rd["p_full"]:.3f} · P_mem {rd["p_mem"]:.3f} · r_mem {rd["mem_reward"]:+.3f} · '
-             f'A_M {_num(rd["adv_m"])} <span class=n>(confident words {rd["mask_full"]} / {rd["mask_mem"]})</span></div>'
-             if rd.get("p_full") is not None else
-             f'<div class="pr n">{"no memory reward: round 1" if t == 0 else "no memory reward: no </mem>" if has_mem else "no memory reward (GRPO)"}</div>')
+    """One round's cell: action, context (collapsed), coloured tokens, tool result, memory reward."""
+    head = f'round {t + 1} · {_e(rd["action"] or "no action")}' + (" <span class=bad>✗ format fails here</span>"
+                                                                    if fail else "")
     tool = f'<div class=tl>{_e(rd["tool"])}</div>' if rd["tool"] else ""
-    return (f'<td class="r{" fail" if fail else ""}" data-traj={i} data-round={t}><div class=rh>round {t + 1} · {_e(rd["action"] or "no action")}'
-            f'{" <span class=bad>✗ format fails here</span>" if fail else ""}</div>'
-            f'<details><summary>context · {rd["n_context"]} tokens</summary><pre>{_context_html(rd["context"], prev, t)}</pre></details>'
-            f'{_tokens_html(rd, vmax)}{tool}{probe}</td>')
+    return (f'<td class="r{" fail" if fail else ""}" data-traj={i} data-round={t}><div class=rh>{head}</div>'
+            f'<details><summary>context · {rd["n_context"]} tokens</summary>'
+            f'<pre>{_context_html(rd["context"], prev, t)}</pre></details>'
+            f'{_tokens_html(rd, vmax)}{tool}{_probe_html(rd, t, has_mem)}</td>')
 
 
 def _rollout_head(ro: dict, g: int) -> str:
@@ -270,7 +284,7 @@ def _question_html(q: dict, n: int, vmax: float, has_mem: bool) -> str:
     if rewards:
         mean = sum(rewards) / len(rewards)
         std = (sum((x - mean) ** 2 for x in rewards) / (len(rewards) - 1)) ** 0.5 if len(rewards) > 1 else 0.0
-        pool = f" · {len(rewards)} memory rewards, mean {mean:+.3f}, std {std:.3f}"
+        pool = f" · {len(rewards)} memory rewards, mean {signed(mean)}, std {signed(std)[1:]}"
     golds = " ; ".join(" | ".join(g) for g in q["golds"])
     rows = ["<tr>" + "".join(_rollout_head(ro, g) for g, ro in enumerate(ros)) + "</tr>"]
     for t in range(max((len(ro["rounds"]) for ro in ros), default=0)):
@@ -347,7 +361,7 @@ def format_episode(question: dict, rollout: dict, width: int = 100) -> str:
         if rd["tool"]:
             put("result", rd["tool"])
         if rd.get("p_full") is not None:
-            put("probe", f"P_full {rd['p_full']:.3f}  P_mem {rd['p_mem']:.3f}  memory reward {rd['mem_reward']:+.3f}")
+            put("probe", f"P_full {rd['p_full']:.3f}  P_mem {rd['p_mem']:.3f}  memory reward {signed(rd['mem_reward'])}")
         else:
             put("probe", "none (round 1)" if t == 0 else "none (no </mem>, or no probes computed)")
     return "\n".join(lines)
