@@ -15,7 +15,7 @@ from grpo import grouped_advantage, memory_advantage
 from memory import Record, mem_token_end, prepare_prompt, tool_record
 from reward import memory_rewards, outcome_reward
 from rollout import AgentConfig, Round, SearchTool, Trajectory, encode_chat, parse_action, rollout
-from viz import signed, format_episode, page_html, step_record, write_page
+from viz import format_episode, page_html, signed, step_record, write_page
 
 W = 0.5       # a memory weight other than 1, so A_T + w * A_M is not A_T + A_M
 
@@ -215,7 +215,8 @@ def test_evaluation_and_grpo_pages(step):
     assert "no advantages" in plain and not re.search(r"<span class=c\d>", plain)
     grpo = step_record(trajs, tok, step["adv_t"], mem_weight=W)    # GRPO: A_T only, even on <mem>
     for i, ro in ((ro["index"], ro) for q in grpo["questions"] for ro in q["rollouts"]):
-        assert all(a == pytest.approx(float(step["adv_t"][i])) for rd in ro["rounds"] for a in rd["adv"] if a is not None)
+        assert all(a == pytest.approx(float(step["adv_t"][i]))
+                   for rd in ro["rounds"] for a in rd["adv"] if a is not None)
     assert "no memory reward (GRPO)" in page_html(grpo)
 
 

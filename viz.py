@@ -185,8 +185,9 @@ margin:2px 0;max-height:120px;overflow:auto}.pr{font:11px monospace;color:#333}
 #hv{position:fixed;right:8px;bottom:8px;background:#ffe;border:1px solid #aa8;padding:3px 8px;font:12px monospace}
 """
 # hovering a token shows its exact advantage (the page's only script)
-JS = """document.addEventListener('mouseover',e=>{const s=e.target,r=s.closest('.t'),k=(s.className.match(/c\\d/)||[])[0];
-if(r&&s!==r)document.getElementById('hv').textContent=JSON.stringify(s.textContent)+(k?' advantage '+r.dataset[k]:' not trained');});"""
+JS = """document.addEventListener('mouseover',e=>{const s=e.target,r=s.closest('.t'),
+k=(s.className.match(/c\\d/)||[])[0];if(r&&s!==r&&s.className!='m')document.getElementById('hv').textContent=
+JSON.stringify(s.textContent)+(k?' advantage '+r.dataset[k]:' not trained');});"""
 NEG, POS = (222, 45, 38), (49, 130, 189)
 
 
@@ -272,8 +273,9 @@ def _rollout_head(ro: dict, g: int) -> str:
     verdict = ('<span class=ok>✓ format ok</span>' if ro["valid"] else
                f'<span class=bad>✗ {_e(ro["reason"])}</span>')
     return (f'<th data-score="{ro["score"]!r}" data-adv-t="{ro["adv_t"]!r}" data-valid="{int(ro["valid"])}" '
-            f'data-rule="{_e(ro["rule"] or "")}"><b>rollout {g + 1}</b> <span class=n>(trajectory {ro["index"]})</span><br>'
-            f'score <b>{ro["score"]:.3f}</b> · em {ro["em"]:.0f} · f1 {ro["f1"]:.3f} · A_T <b>{_num(ro["adv_t"])}</b><br>'
+            f'data-rule="{_e(ro["rule"] or "")}"><b>rollout {g + 1}</b> '
+            f'<span class=n>(trajectory {ro["index"]})</span><br>score <b>{ro["score"]:.3f}</b> · em {ro["em"]:.0f} · '
+            f'f1 {ro["f1"]:.3f} · A_T <b>{_num(ro["adv_t"])}</b><br>'
             f'answer: {_e(ro["answer"]) if ro["answer"] is not None else "<i>none</i>"}<br>{verdict}</th>')
 
 
@@ -293,7 +295,8 @@ def _question_html(q: dict, n: int, vmax: float, has_mem: bool) -> str:
                  for ro in ros]
         rows.append("<tr>" + "".join(cells) + "</tr>")
     mean_score = sum(ro["score"] for ro in ros) / len(ros)
-    return (f'<section id=q{n}><h2>question {n + 1} <span class=n>(group {q["group_id"]})</span>: {_e(q["question"])}</h2>'
+    return (f'<section id=q{n}><h2>question {n + 1} <span class=n>(group {q["group_id"]})</span>: '
+            f'{_e(q["question"])}</h2>'
             f'<div>gold: <b>{_e(golds)}</b> · mean score {mean_score:.3f} · '
             f'format ok {sum(ro["valid"] for ro in ros)} / {len(ros)}{pool}</div>'
             f'<div class=sc><table class=g>{"".join(rows)}</table></div></section>')
@@ -345,7 +348,8 @@ def format_episode(question: dict, rollout: dict, width: int = 100) -> str:
     golds = " ; ".join(" | ".join(g) for g in question["golds"])
     lines.append(f"== trajectory {rollout['index']} (question group {question['group_id']}) ".ljust(width, "="))
     lines += textwrap.wrap(f"question: {question['question']}", width, subsequent_indent="  ")
-    lines += textwrap.wrap(f"gold: {golds or '(none given)'}   answer: {rollout['answer']}", width, subsequent_indent="  ")
+    lines += textwrap.wrap(f"gold: {golds or '(none given)'}   answer: {rollout['answer']}", width,
+                           subsequent_indent="  ")
     verdict = "format ok" if rollout["valid"] else f"format FAILS {rollout['reason']}"
     score = (f"score {rollout['score']:.3f}  em {rollout['em']:.0f}  f1 {rollout['f1']:.3f}  " if golds else
              "no gold to score against  ")
@@ -357,11 +361,13 @@ def format_episode(question: dict, rollout: dict, width: int = 100) -> str:
         if rd["action"]:
             put("action", f"<{rd['action']}> {rd['action_body']} </{rd['action']}>")
         else:
-            put("action", f"(none: the round ends without an action tag) text: {rd['text']}")
+            wrote = rd["text"].split("</think>", 1)[-1].strip() if rd["think"] is not None else rd["text"]
+            put("action", f"(none: the round ends without an action tag) it wrote: {wrote}")
         if rd["tool"]:
             put("result", rd["tool"])
         if rd.get("p_full") is not None:
-            put("probe", f"P_full {rd['p_full']:.3f}  P_mem {rd['p_mem']:.3f}  memory reward {signed(rd['mem_reward'])}")
+            put("probe", f"P_full {rd['p_full']:.3f}  P_mem {rd['p_mem']:.3f}  "
+                         f"memory reward {signed(rd['mem_reward'])}")
         else:
             put("probe", "none (round 1)" if t == 0 else "none (no </mem>, or no probes computed)")
     return "\n".join(lines)
@@ -395,7 +401,8 @@ def demo_step(model, tokenizer, system_prompt: str, questions: int = 8, group: i
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="one RL step's rollouts, rewards and advantages as an HTML page "
                                             "(no update): the page train.py --viz-every writes")
-    p.add_argument("--checkpoint", default="", help="checkpoint folder (e.g. RUN/sft); default: an untrained tiny model")
+    p.add_argument("--checkpoint", default="",
+                   help="checkpoint folder (e.g. RUN/sft); default: an untrained tiny model")
     p.add_argument("--out", default="viz_demo.html", help="HTML file to write")
     p.add_argument("--questions", type=int, default=8, help="questions (B)")
     p.add_argument("--group", type=int, default=8, help="rollouts per question (G)")
@@ -404,7 +411,7 @@ def main(argv=None) -> None:
     p.add_argument("--show", type=int, default=0, help="print this many episodes as text (format_episode)")
     args = p.parse_args(argv)
     if args.checkpoint:
-        model = load_model(args.checkpoint, pick_device("cpu")).eval()
+        model = load_model(args.checkpoint, pick_device("auto")).eval()
         tokenizer, prompt = AutoTokenizer.from_pretrained(args.checkpoint), checkpoint_prompt(args.checkpoint)
     else:
         tokenizer, prompt = data.build_tokenizer(), data.SYSTEM_PROMPT
@@ -417,8 +424,9 @@ def main(argv=None) -> None:
             json.dump(record, f)
     for q in record["questions"][:args.show]:
         print(format_episode(q, q["rollouts"][0]), end="\n\n")
-    print(json.dumps({"page": args.out, "bytes": os.path.getsize(args.out),
-                      "questions": len(record["questions"]), "rollouts": sum(len(q["rollouts"]) for q in record["questions"])}))
+    n = sum(len(q["rollouts"]) for q in record["questions"])
+    print(json.dumps({"page": args.out, "bytes": os.path.getsize(args.out), "questions": len(record["questions"]),
+                      "rollouts": n}))
 
 
 if __name__ == "__main__":
