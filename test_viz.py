@@ -108,9 +108,10 @@ def step():
     adv_t = grouped_advantage(torch.tensor([o["score"] for o in outs]), gids)
     mem = memory_rewards(model, tok, trajs, threshold=0.0)          # every gold word counts: P > 0 on both sides
     mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"])
-    metrics = {"step": 7, "score": float(torch.tensor([o["score"] for o in outs]).mean())}
+    score = sum(o["score"] for o in outs) / len(outs)
+    metrics = {"step": 7, "score": score}
     record = step_record(trajs, tok, adv_t, mem, mem_adv, W, metrics=metrics, title="step 7")
-    return dict(tok=tok, trajs=trajs, outs=outs, adv_t=adv_t, mem=mem, mem_adv=mem_adv, record=record,
+    return dict(tok=tok, trajs=trajs, outs=outs, adv_t=adv_t, mem=mem, mem_adv=mem_adv, record=record, score=score,
                 page=page_html(record))
 
 
@@ -122,6 +123,9 @@ def test_scores_and_outcome_advantages_on_the_page(step):
         assert float(h["data-score"]) == o["score"] and float(h["data-adv-t"]) == float(a)
         assert f"score {o['score']:.3f}" in h["text"] and f"A_T {float(a):+.3f}" in h["text"]
     assert {o["score"] for o in step["outs"]} >= {0.0, 1.0} and any(float(a) != 0 for a in step["adv_t"])
+    header = re.search(r"<div class=mt>(.*?)</div>", step["page"]).group(1)       # the step's logged metrics
+    pairs = re.findall(r"<span>(\w+) <b>([^<]*)</b></span>", header)
+    assert pairs == [("step", "7"), ("score", f"{step['score']:.4g}")]
 
 
 def test_memory_rewards_on_the_page(step):

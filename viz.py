@@ -167,7 +167,7 @@ def step_record(trajs: list, tokenizer, adv_t=None, mem: dict | None = None,
 
 CSS = """body{font:13px/1.4 system-ui,sans-serif;margin:12px;color:#111;background:#fafafa}
 h1{font-size:18px;margin:0 0 6px}h2{font-size:15px;margin:18px 0 4px}
-.mt{border-collapse:collapse;font:12px monospace}.mt td{padding:1px 4px 1px 0}.mt td:nth-child(2n){padding-right:18px}
+.mt{font:12px monospace;max-width:1100px}.mt span{display:inline-block;margin:0 16px 2px 0}
 .lg{margin:8px 0;font-size:12px}.bar{display:inline-block;width:300px;height:12px;vertical-align:middle;
 border:1px solid #999;background:linear-gradient(90deg,rgb(222,45,38),#fff,rgb(49,130,189))}
 .tk{display:inline-flex;justify-content:space-between;width:300px;font:11px monospace}
@@ -309,9 +309,7 @@ def _metric(v) -> str:
 def page_html(record: dict, vmax: float | None = None) -> str:
     """The whole page as one string (``write_page`` writes it)."""
     vmax = vmax or page_scale(record)
-    items = list(record["metrics"].items())
-    cells = "".join("<tr>" + "".join(f"<td>{_e(k)}</td><td><b>{_metric(v)}</b></td>" for k, v in items[i:i + 6])
-                    + "</tr>" for i in range(0, len(items), 6))
+    metrics = "".join(f"<span>{_e(k)} <b>{_metric(v)}</b></span>" for k, v in record["metrics"].items())
     w = record["mem_weight"]
     legend = (f'<div class=lg>token background = the advantage it was trained with: A_T, and A_T + w·A_M '
               f'(w = {w:g}) inside the <span class=m>dashed &lt;mem&gt; span</span>; '
@@ -322,7 +320,7 @@ def page_html(record: dict, vmax: float | None = None) -> str:
     body = "".join(_question_html(q, n, vmax, record["has_mem"]) for n, q in enumerate(record["questions"]))
     title = record["title"] or "MemPO step"
     return (f'<!doctype html><html><head><meta charset=utf-8><title>{_e(title)}</title><style>{CSS}</style></head>'
-            f'<body><h1>{_e(title)}</h1><table class=mt>{cells}</table>{legend}{body}'
+            f'<body><h1>{_e(title)}</h1><div class=mt>{metrics}</div>{legend}{body}'
             f'<div id=hv>hover a token</div><script>{JS}</script></body></html>')
 
 
