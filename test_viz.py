@@ -15,7 +15,7 @@ from grpo import grouped_advantage, memory_advantage
 from memory import Record, mem_token_end, prepare_prompt, tool_record
 from reward import memory_rewards, outcome_reward
 from rollout import AgentConfig, Round, SearchTool, Trajectory, encode_chat, parse_action, rollout
-from viz import format_episode, page_html, signed, step_record, write_page
+from viz import format_episode, page_html, signed, step_record, token_pieces, write_page
 
 W = 0.5       # a memory weight other than 1, so A_T + w * A_M is not A_T + A_M
 
@@ -163,6 +163,15 @@ def test_every_token_carries_the_advantage_it_was_trained_with(step):
     n_loss = sum(len(r.output_ids) for t in step["trajs"] for r in t.rounds)      # the update's loss tokens
     assert n_coloured == n_loss == len(re.findall(r"<span class=c\d>", step["page"]))
     assert any(t.rounds[1].mem_end > len(t.rounds[1].prefix_ids) for t in step["trajs"] if len(t.rounds) > 1)
+
+
+@pytest.mark.parametrize("text", ["<mem> 1 = kalo é 日本 </mem>\n<think> x </think>", "naïve 日", "<search> q"])
+def test_token_pieces_rebuild_the_text(text):
+    """One piece per token, in order, that joined give the decoded text: word-level and byte-level BPE."""
+    for tok in (data.build_tokenizer(), data.build_bpe_tokenizer()):
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = token_pieces(tok, ids)
+        assert len(pieces) == len(ids) and "".join(pieces) == tok.decode(ids)
 
 
 @pytest.mark.parametrize("context", ["snail", "full"])
