@@ -225,7 +225,8 @@ def test_page_is_self_contained(step, tmp_path):
 def test_evaluation_and_grpo_pages(step):
     tok, trajs = step["tok"], step["trajs"]
     plain = page_html(step_record(trajs, tok))                      # eval episodes: no advantages, no probes
-    assert "no advantages" in plain and not re.search(r"<span class=c\d>", plain)
+    rounds = re.findall(r"<div class=t[ >].*?</div>", plain)
+    assert "no advantages" in plain and rounds and not any(re.search(r"class=[cn]", r) for r in rounds)
     grpo = step_record(trajs, tok, step["adv_t"], mem_weight=W)    # GRPO: A_T only, even on <mem>
     for i, ro in ((ro["index"], ro) for q in grpo["questions"] for ro in q["rollouts"]):
         assert all(a == pytest.approx(float(step["adv_t"][i]))

@@ -227,8 +227,9 @@ def page_scale(record: dict) -> float:
     return max(0.5, math.ceil(top * 2) / 2)
 
 
-def _tokens_html(rd: dict, vmax: float) -> str:
-    """One round's tokens: ``<span class=cK>`` each (K = the round's K-th distinct advantage), <mem> boxed."""
+def _tokens_html(rd: dict, vmax: float, has_adv: bool) -> str:
+    """One round's tokens: ``<span class=cK>`` each (K = the round's K-th distinct advantage), <mem> boxed;
+    an untrained token is grey, and plain on a page without advantages (evaluation)."""
     values = sorted({a for a in rd["adv"] if a is not None})
     if len(values) > 4:
         raise ValueError(f"a round with {len(values)} distinct advantages (the CSS defines 4 colours)")
@@ -237,8 +238,8 @@ def _tokens_html(rd: dict, vmax: float) -> str:
     style = ";".join(f"--c{k}:{colour(a, vmax)}" for k, a in enumerate(values))
     spans = []
     for j, (piece, a) in enumerate(zip(rd["tokens"], rd["adv"])):
-        cls = key[a] if a is not None else "n"
-        span = f"<span class={cls}>{_e(piece)}</span>"
+        cls = f" class={key[a]}" if a is not None else " class=n" if has_adv else ""
+        span = f"<span{cls}>{_e(piece)}</span>"
         if j == 0 and rd["mem_end"] > 0:
             span = "<span class=m>" + span
         if j == rd["mem_end"] - 1:
@@ -267,7 +268,7 @@ def _probe_html(rd: dict, t: int, has_mem: bool) -> str:
             f'</span></div>')
 
 
-def _round_html(rd: dict, prev: str | None, i: int, t: int, fail: bool, vmax: float, has_mem: bool) -> str:
+def _round_html(rd: dict, prev: str | None, i: int, t: int, fail: bool, vmax: float, has: dict) -> str:
     """One round's cell: action, context (collapsed), coloured tokens, tool result, memory reward."""
     head = f'round {t + 1} · {_e(rd["action"] or "no action")}' + (" <span class=bad>✗ format fails here</span>"
                                                                     if fail else "")
@@ -275,7 +276,7 @@ def _round_html(rd: dict, prev: str | None, i: int, t: int, fail: bool, vmax: fl
     return (f'<td class="r{" fail" if fail else ""}" data-traj={i} data-round={t}><div class=rh>{head}</div>'
             f'<details><summary>context · {rd["n_context"]} tokens</summary>'
             f'<pre>{_context_html(rd["context"], prev, t)}</pre></details>'
-            f'{_tokens_html(rd, vmax)}{tool}{_probe_html(rd, t, has_mem)}</td>')
+            f'{_tokens_html(rd, vmax, has["adv"])}{tool}{_probe_html(rd, t, has["mem"])}</td>')
 
 
 def _rollout_head(ro: dict, g: int) -> str:
@@ -288,7 +289,8 @@ def _rollout_head(ro: dict, g: int) -> str:
             f'answer: {_e(ro["answer"]) if ro["answer"] is not None else "<i>none</i>"}<br>{verdict}</th>')
 
 
-def _question_html(q: dict, n: int, vmax: float, has_mem: bool) -> str:
+def _question_html(q: dict, n: int, vmax: float, has: dict) -> str:
+    """One question: its rollouts side by side (a column each), a row per round."""
     ros = q["rollouts"]
     rewards = [rd["mem_reward"] for ro in ros for rd in ro["rounds"] if rd.get("mem_reward") is not None]
     pool = ""
@@ -300,7 +302,7 @@ def _question_html(q: dict, n: int, vmax: float, has_mem: bool) -> str:
     rows = ["<tr>" + "".join(_rollout_head(ro, g) for g, ro in enumerate(ros)) + "</tr>"]
     for t in range(max((len(ro["rounds"]) for ro in ros), default=0)):
         cells = [_round_html(ro["rounds"][t], ro["rounds"][t - 1]["context"] if t else None, ro["index"], t,
-                             ro["fail_round"] == t + 1, vmax, has_mem) if t < len(ro["rounds"]) else "<td></td>"
+                             ro["fail_round"] == t + 1, vmax, has) if t < len(ro["rounds"]) else "<td></td>"
                  for ro in ros]
         rows.append("<tr>" + "".join(cells) + "</tr>")
     mean_score = sum(ro["score"] for ro in ros) / len(ros)
@@ -326,7 +328,8 @@ def page_html(record: dict, vmax: float | None = None) -> str:
               f'<span class=bar></span><br><span class=tk>' +
               "".join(f"<span>{x:+.2f}</span>" for x in (-vmax, -vmax / 2, 0.0, vmax / 2, vmax)) + "</span></div>"
               if record["has_adv"] else '<div class=lg>no advantages: evaluation episodes, shown uncoloured.</div>')
-    body = "".join(_question_html(q, n, vmax, record["has_mem"]) for n, q in enumerate(record["questions"]))
+    has = {"adv": record["has_adv"], "mem": record["has_mem"]}
+    body = "".join(_question_html(q, n, vmax, has) for n, q in enumerate(record["questions"]))
     title = record["title"] or "MemPO step"
     return (f'<!doctype html><html><head><meta charset=utf-8><title>{_e(title)}</title><style>{CSS}</style></head>'
             f'<body><h1>{_e(title)}</h1><div class=mt>{metrics}</div>{legend}{body}'
