@@ -9,29 +9,30 @@ model processed, summed over the episode's rounds), PT (peak tokens: the longest
 context + output), and mean turns. TT and PT are means over episodes. A table on stdout, then
 one JSON line last.
 
-``--memtrain``: MemTrain's reconstruction accuracy and IMR accuracy (greedy) on held-out masked-entity
-tasks of the embedded world, and of ``--corpus`` (any ``{id, contents}`` JSONL) when given.
-
 Held-out sets of the embedded world are new worlds (new fact graphs and questions) over the same
 pool of entity names as training; ``--split valid`` and ``--split test`` are disjoint world seeds:
 pick settings on ``valid``, report on ``test``.
 
-Mem-alpha: ``python eval.py memalpha --checkpoint RUN`` (section at the end): accuracy, memory tokens,
-tool-call success and validity of the writer, against long-context and RAG-top-2 over raw chunks.
+``--diagnostics`` reads the memory reward's settings from the run's ``config.json`` (``run_reward_config``).
+Other recipes have their own evaluations: ``python -m recipes.memalpha_eval``, ``python -m recipes.memtrain_eval``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import random
+import os
 import sys
 
 import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
 
 import data
-from reward import outcome_reward
-from rollout import AgentConfig, SearchTool, checkpoint_prompt, load_model, parse_action, pick_device, rollout
+from memory import extract_mem
+from reward import (MEM_MASK, PROBE_THINK, THRESHOLD, mem_grounded, memory_rewards, outcome_reward,
+                    template_objectives)
+from rollout import AgentConfig, SearchTool, checkpoint_prompt, load_model, parse_action, pick_device, run_episodes
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
 AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
@@ -49,8 +50,6 @@ def memory_diagnostics(trajs: list, tasks: list) -> dict:
     Faithfulness = fraction of ``<mem>`` entries whose words all occur in the question or an earlier
     tool result (an invented entry is reward hacking).
     """
-    from memory import extract_mem
-    from reward import mem_grounded
     kept = {b: [0, 0] for b in AGO_BUCKETS}
     drift = {"rounds 2-8": [0, 0], "rounds 9-64": [0, 0]}
     faithful = [0, 0]
@@ -93,33 +92,29 @@ def memory_diagnostics(trajs: list, tasks: list) -> dict:
             "faithfulness": ratio(faithful), "mem_entries": faithful[1]}
 
 
-TRAIN_MEM_MASK, TRAIN_THRESHOLD, TRAIN_THINK = "separate", 0.5, "probe"   # train.Config's defaults (no train import)
-
-
 def run_reward_config(checkpoint: str) -> tuple[str, float, str]:
     """The memory reward's ``(mem_mask, threshold, probe_think)`` of the run that wrote ``checkpoint``.
 
     Read from its RUN/config.json; ``checkpoint`` is a run folder or a folder inside one (``final``,
     ``ckpt``, ``sft``). A run from before the probe marker (no ``probe_think`` in its config) scored
-    ``<think> answer``; a checkpoint without a run config (e.g. a hub model) gets the training defaults.
+    ``<think> answer``; a checkpoint without a run config (e.g. a hub model) gets the reward's defaults.
     """
-    import os
     for folder in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
         path = os.path.join(folder, "config.json")
         if os.path.isfile(path):
             with open(path) as f:
                 cfg = json.load(f)
             if "mem_mask" in cfg:                     # RUN/config.json, not a model's config.json
-                return cfg["mem_mask"], float(cfg.get("threshold", TRAIN_THRESHOLD)), cfg.get("probe_think", "answer")
-    return TRAIN_MEM_MASK, TRAIN_THRESHOLD, TRAIN_THINK
+                return cfg["mem_mask"], float(cfg.get("threshold", THRESHOLD)), cfg.get("probe_think", "answer")
+    return MEM_MASK, THRESHOLD, PROBE_THINK
 
 
 def _has_fact(text: str, fact: tuple[str, str, str]) -> bool:
     return f" {' '.join(fact)} " in f" {text} "
 
 
-def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float = TRAIN_THRESHOLD,
-                   mask_mode: str = TRAIN_MEM_MASK, think: str = TRAIN_THINK, context: str = "snail") -> dict:
+def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float = THRESHOLD,
+                   mask_mode: str = MEM_MASK, think: str = PROBE_THINK, context: str = "snail") -> dict:
     """The memory reward's two probes where the answer is known (issue 13), on embedded-world trajectories.
 
     For every scored round (t >= 2 with a ``<mem>``) and objective k: **found** when the round's context
@@ -133,8 +128,6 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
     P_full only when dropped. Rounds are labelled too (dropped if any found answer was dropped, kept if
     some were found and all kept, else none found) with the mean memory reward P_mem - P_full.
     """
-    from memory import extract_mem
-    from reward import memory_rewards, template_objectives
     m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode, think=think)
     acc: dict[str, list] = {"not found": [], "kept": [], "dropped": []}
     by_round: dict[str, list] = {"none found": [], "kept": [], "dropped": []}
@@ -170,14 +163,13 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
     return out
 
 
-def p_by_round(model, tokenizer, trajs: list, threshold: float = TRAIN_THRESHOLD,
-               mask_mode: str = TRAIN_MEM_MASK, think: str = TRAIN_THINK) -> dict:
+def p_by_round(model, tokenizer, trajs: list, threshold: float = THRESHOLD,
+               mask_mode: str = MEM_MASK, think: str = PROBE_THINK) -> dict:
     """Mean P_full and P_mem by round index on (eval) trajectories: where does memory carry the answer?
 
     ``mask_mode`` and ``threshold`` should be the run's own (``run_reward_config``), so P_mem here is
     the P_mem its training reward computed.
     """
-    from reward import memory_rewards
     m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode, think=think)
     rows: dict[str, list] = {}
     k = 0
@@ -188,20 +180,6 @@ def p_by_round(model, tokenizer, trajs: list, threshold: float = TRAIN_THRESHOLD
             k += 1
     return {key: {"p_full": sum(a for a, _ in v) / len(v), "p_mem": sum(b for _, b in v) / len(v), "n": len(v)}
             for key, v in sorted(rows.items(), key=lambda kv: (len(kv[0]), kv[0]))}
-
-
-def run_episodes(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
-                 bar=None) -> list:
-    """One rollout per task (greedy when ``agent.temperature == 0``), in task order."""
-    trajs = []
-    for i in range(0, len(tasks), batch):
-        part = rollout(model, tokenizer, tasks[i:i + batch], 1, tool, agent)
-        if bar is not None:
-            bar.update(len(part))
-        for t in part:
-            t.group_id += i                      # index into ``tasks``
-        trajs += part
-    return trajs
 
 
 def summarize(trajs: list) -> dict:
@@ -229,7 +207,6 @@ def embedded_tasks(k: int, n: int, seed: int = 0, split: str = "test", hops: tup
 
 def progress_bar(total: int):
     """ONE bar for a whole evaluation, counting episodes (a log file gets a few lines, not one bar per K)."""
-    from tqdm import tqdm
     return tqdm(total=total, desc="eval", unit="episode", mininterval=10)
 
 
@@ -279,13 +256,11 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
 
 def checkpoint_dir(path: str) -> str:
     """A run folder (with ``final/``) or a checkpoint folder."""
-    import os
     return os.path.join(path, "final") if os.path.isdir(os.path.join(path, "final")) else path
 
 
 def load(path: str, device):
     """(model, tokenizer, system prompt) of a checkpoint; bf16 weights on CUDA (no optimizer to feed)."""
-    from transformers import AutoTokenizer
     path = checkpoint_dir(path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return load_model(path, device, dtype).eval(), AutoTokenizer.from_pretrained(path), checkpoint_prompt(path)
@@ -335,7 +310,6 @@ def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, c
 
 def plot_compare(res: dict, folder: str) -> list[str]:
     """PNG plots of a ``compare`` result: F1 vs K and retention vs rounds-ago (needs matplotlib)."""
-    import os
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -368,8 +342,8 @@ def plot_compare(res: dict, folder: str) -> list[str]:
 
 
 def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int, hops: tuple[int, int],
-             system_prompt: str = data.SYSTEM_PROMPT, mask_mode: str = TRAIN_MEM_MASK,
-             threshold: float = TRAIN_THRESHOLD, think: str = TRAIN_THINK, probe_temperature: float = 1.0,
+             system_prompt: str = data.SYSTEM_PROMPT, mask_mode: str = MEM_MASK,
+             threshold: float = THRESHOLD, think: str = PROBE_THINK, probe_temperature: float = 1.0,
              probe_turns: int = 16) -> dict:
     """Memory diagnostics (retention by rounds-ago, faithfulness, drift), P_full / P_mem by round, and the
     probes split by found / kept / dropped (``probe_by_found``).
@@ -407,59 +381,7 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
     return out
 
 
-# --- MemTrain: reconstruction and IMR accuracy (ALGORITHM.md section 3)
-#
-# Greedy memory-agent rollouts on held-out masked-reconstruction tasks: reconstruction accuracy = the
-# fraction whose final <answer> is the masked entity (normalised EM); IMR accuracy = one IMR query per
-# trajectory (step k, chunk l < k, [TARGET]; drawn with a seeded rng), answered greedily from memory o_k.
-# Held-out world tasks come from the split's world seeds (disjoint from the random seeds of training
-# worlds except by a one-in-10^9 chance, as for the QA splits); a real corpus uses the text heuristic.
-
-def memtrain_heldout(n: int, split: str = "test", seed: int = 0, max_chunks: int = 4,
-                     corpus: list[dict] | None = None) -> tuple[list, frozenset | None]:
-    """``n`` held-out masked-reconstruction tasks (a split world, or ``corpus``) and the entity names to use."""
-    if corpus is not None:
-        return data.masked_reconstruction_tasks(corpus, n, SPLIT_SEEDS[split] + seed, max_chunks), None
-    return (data.world_memtrain_tasks(SPLIT_SEEDS[split] + 500 + seed, n, seed=SPLIT_SEEDS[split] + seed,
-                                      max_chunks=max_chunks), frozenset(data.name_pool()))
-
-
-def memtrain_summary(golds: list[str], answers: list[str | None], imr_targets: list[str],
-                     imr_answers: list[str | None]) -> dict:
-    """Reconstruction accuracy, IMR accuracy, answered rate and counts from predictions and golds."""
-    from reward import reconstruction_reward
-    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0    # noqa: E731
-    return {"reconstruction": mean([reconstruction_reward(a, g) for a, g in zip(answers, golds)]),
-            "imr": mean([reconstruction_reward(a, g) for a, g in zip(imr_answers, imr_targets)]),
-            "answered": mean([a is not None for a in answers]), "n": len(golds), "imr_n": len(imr_targets)}
-
-
-def evaluate_memtrain(model, tokenizer, tasks: list, names=None, mem_tokens: int = 48, seed: int = 0,
-                      batch: int = 64) -> dict:
-    """Greedy reconstruction and IMR accuracy of the memory agent on ``tasks`` (``data.MemTrainTask``)."""
-    from rollout import MemAgentConfig, imr_rollout, memory_rollout
-    agent = MemAgentConfig(data.SYSTEM_PROMPT, mem_tokens=mem_tokens, temperature=0.0)
-    rng = random.Random(seed)
-    golds, answers, targets, imr_answers = [], [], [], []
-    for i in range(0, len(tasks), batch):
-        trajs = memory_rollout(model, tokenizer, tasks[i:i + batch], 1, agent)
-        golds += [x.gold for x in trajs]
-        answers += [x.answer for x in trajs]
-        items = []
-        for x in trajs:
-            q = data.imr_task(x.chunks, len(x.memories), rng, names)
-            if q is not None:
-                items.append((q.problem, x.memories[q.k], q.chunk))
-                targets.append(q.target)
-        imr_answers += imr_rollout(model, tokenizer, items, agent)
-    return memtrain_summary(golds, answers, targets, imr_answers)
-
-
-def main(argv=None) -> None:
-    import sys
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args[:1] == ["memalpha"]:
-        return memalpha_main(args[1:])          # python eval.py memalpha --checkpoint RUN (Mem-alpha section)
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Evaluate MemPO checkpoints.")
     p.add_argument("--checkpoint", help="run folder or checkpoint folder saved by train.py (e.g. runs/default)")
     p.add_argument("--compare", nargs="+", metavar="NAME=RUN[,RUN...]",
@@ -481,11 +403,20 @@ def main(argv=None) -> None:
                    help="with --data: MEM1-style K-objective questions joined from the file's, one table row per K")
     p.add_argument("--system-prompt", default="", help="text file with the system prompt (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--memtrain", action="store_true",
-                   help="MemTrain: reconstruction and IMR accuracy on held-out world tasks (and on --corpus if given)")
-    p.add_argument("--mem-tokens", type=int, default=48, help="MemTrain: memory budget in tokens")
-    p.add_argument("--max-chunks", type=int, default=4, help="MemTrain: chunks per held-out task")
     args = p.parse_args(argv)
+    if min(args.objectives) < 1:
+        p.error(f"--objectives {' '.join(map(str, args.objectives))}: each objective count K must be at least 1")
+    if not args.compare and not args.checkpoint:
+        p.error("give --checkpoint or --compare")
+    runs = [r for v in args.compare or [] for r in v.split("=", 1)[-1].split(",")] or [args.checkpoint]
+    for run in runs:                 # a missing folder would reach the model hub as a model name
+        if not os.path.isdir(run):
+            p.error(f"checkpoint folder {run} does not exist")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     device = pick_device(args.device)
     a, b = (int(x) for x in args.hops.split("-"))
     if args.compare:
@@ -497,21 +428,10 @@ def main(argv=None) -> None:
         print(json.dumps({"compare": {n: {str(k): v for k, v in r.items()} for n, r in res.items()},
                           "split": args.split, "context": args.context}))
         return
-    if not args.checkpoint:
-        p.error("give --checkpoint or --compare")
     model, tokenizer, prompt = load(args.checkpoint, device)
     if args.system_prompt:
         with open(args.system_prompt, encoding="utf-8") as f:
             prompt = f.read().strip()
-    if args.memtrain:
-        data.add_words(tokenizer, model, data.MEMTRAIN_WORDS)      # an SFT checkpoint has no [MASK] yet
-        sets = {"world": memtrain_heldout(args.tasks, args.split, args.seed, args.max_chunks)}
-        if args.corpus:
-            sets["corpus"] = memtrain_heldout(args.tasks, args.split, args.seed, args.max_chunks,
-                                              data.load_corpus(args.corpus))
-        res = {k: evaluate_memtrain(model, tokenizer, t, names, args.mem_tokens, args.seed) for k, (t, names) in sets.items()}
-        print(json.dumps({"checkpoint": args.checkpoint, "split": args.split, "memtrain": res}))
-        return
     if args.data:
         if not args.corpus:
             raise SystemExit("--data needs --corpus")
@@ -536,144 +456,6 @@ def main(argv=None) -> None:
                                                              mask_mode, threshold, think).items()}
         out["diagnostics_mem_mask"] = mask_mode
     print(json.dumps(out))
-
-
-
-# --- Mem-alpha: accuracy, memory size, tool-call success, and the raw-chunk baselines (ALGORITHM.md section 2)
-"""``python eval.py memalpha --checkpoint RUN``: the writer (RUN/final) builds a memory per held-out
-instance greedily; the frozen answerer (RUN/sft, the cold-started copy, or ``--answerer``) answers
-from core + BM25 top-k of each store. Reported: accuracy (exact match), memory tokens, tool-call
-success (successful / all calls), r4 validity; on the embedded world also ``scripted``: the same answerer
-reading the scripted (never flawed) writer's memory, the ceiling of what a writer can give it.
-Baselines on the same streams with the same answerer: ``long_context`` (the newest raw chunks that fit
-``--context-tokens``) and ``rag_top2`` (BM25 top-2 raw chunks for the question). Memory tokens of a
-baseline = what it keeps: the chunks in its window, or every chunk for RAG. The embedded answerer learnt raw-chunk contexts in SFT too
-(``memalpha_raw_rows``), so the three conditions share one answerer.
-"""
-
-
-def chunks_messages(chunks: list[str], question: str) -> list[dict]:
-    """The answerer's context for the raw-chunk baselines: the chunks, then the question."""
-    from memory import ANSWER_SYSTEM
-    return [{"role": "system", "content": ANSWER_SYSTEM},
-            {"role": "user", "content": "\n".join(f"chunk: {c}" for c in chunks) + f"\nquestion: {question}"}]
-
-
-def long_context_chunks(chunks: list[str], count_tokens, budget: int) -> list[str]:
-    """The newest chunks whose tokens fit ``budget`` together, in stream order (at least none)."""
-    kept, used = [], 0
-    for c in reversed(chunks):
-        n = count_tokens(c)
-        if used + n > budget:
-            break
-        kept.insert(0, c)
-        used += n
-    return kept
-
-
-def rag_chunks(chunks: list[str], question: str, k: int = 2) -> list[str]:
-    """BM25 (``rank-bm25``, BM25+ as memory.py) top-``k`` raw chunks for ``question``, in stream order."""
-    from rank_bm25 import BM25Plus
-    from rollout import bm25_tokens
-    scores = BM25Plus([bm25_tokens(c) for c in chunks]).get_scores(bm25_tokens(question))
-    top = sorted(range(len(chunks)), key=lambda i: (-scores[i], -i))[:k]
-    return [chunks[i] for i in sorted(top)]
-
-
-def answer_contexts(model, tokenizer, message_lists: list[list[dict]], max_new_tokens: int = 16,
-                    batch: int = 256) -> list[str]:
-    """Greedy answers of ``model`` to each message list."""
-    from rollout import encode_chat, generate
-    prompts = [encode_chat(tokenizer, m) for m in message_lists]
-    out = []
-    for s in range(0, len(prompts), batch):
-        gens = generate(model, prompts[s:s + batch], max_new_tokens, pad_id=tokenizer.pad_token_id,
-                        eos_id=tokenizer.eos_token_id, temperature=0.0)
-        out += [tokenizer.decode(g, skip_special_tokens=True) for g in gens]
-    return out
-
-
-def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, context_tokens: int = 64,
-                      max_new_tokens: int = 192, scripted: bool = False) -> dict:
-    """Mem-alpha writer vs long-context and RAG-top-2 on the same instances -> {method: metrics};
-    ``scripted`` adds the scripted writer's memory (embedded instances only: it reads ``Chunk.reports``)."""
-    from reward import em_score, r4_validity
-    from rollout import WriterConfig, memalpha_rollout
-    from memory import StructuredMemory, answerer_messages
-    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
-    rolls = memalpha_rollout(writer, tokenizer, instances, 1, WriterConfig(max_new_tokens=max_new_tokens,
-                                                                          temperature=0.0))
-    views = {"memalpha": [], "long_context": [], "rag_top2": []} | ({"scripted": []} if scripted else {})
-    kept = {m: [] for m in views}
-    golds = []
-    for r, inst in zip(rolls, instances):
-        texts = [c.text for c in inst.chunks]
-        window = long_context_chunks(texts, count, context_tokens)
-        if scripted:                   # the ceiling: the SFT teacher's memory (never flawed) read by the same answerer
-            ideal = StructuredMemory(r.memory.core_limit, count, seed=0)
-            for chunk in inst.chunks:
-                data.writer_calls(ideal, chunk)
-            kept["scripted"].append(ideal.n_tokens())
-            views["scripted"] += [answerer_messages(ideal, q, k) for q, _ in inst.questions]
-        kept["memalpha"].append(r.memory.n_tokens())
-        kept["long_context"].append(sum(count(c) for c in window))
-        kept["rag_top2"].append(sum(count(c) for c in texts))
-        for q, g in inst.questions:
-            views["memalpha"].append(answerer_messages(r.memory, q, k))
-            views["long_context"].append(chunks_messages(window, q))
-            views["rag_top2"].append(chunks_messages(rag_chunks(texts, q, 2), q))
-            golds.append(g)
-    calls = [res for r in rolls for s in r.steps for res in s.results]
-    # inserts whose every word comes from the chunk or is "on" / "day" / its number: copied, not invented
-    inserts = [(c.arguments["content"], inst.chunks[j].text) for r, inst in zip(rolls, instances)
-               for j, s in enumerate(r.steps) for c in s.calls if c.error is None and c.name == "new_memory_insert"]
-    copied = [set(x.split()) <= set(t.split()) | {"on", "day"} for x, t in inserts]
-    out = {}
-    for method, msgs in views.items():
-        preds = answer_contexts(answerer, tokenizer, msgs)
-        out[method] = {"accuracy": sum(em_score(p, g) for p, g in zip(preds, golds)) / len(golds),
-                       "memory_tokens": sum(kept[method]) / len(kept[method]), "questions": len(golds)}
-    out["memalpha"].update(tool_success=sum(ok for ok, _ in calls) / len(calls) if calls else 0.0,
-                           calls_per_chunk=len(calls) / sum(len(r.steps) for r in rolls),
-                           inserts_copied=sum(copied) / len(copied) if copied else 0.0,
-                           validity=sum(r4_validity(s.calls) for r in rolls for s in r.steps) /
-                           sum(len(r.steps) for r in rolls))
-    return out
-
-
-def memalpha_main(argv) -> None:
-    p = argparse.ArgumentParser(description="Evaluate a Mem-alpha run against long-context and RAG-top-2.")
-    p.add_argument("--checkpoint", required=True, help="Mem-alpha run folder (writer in final/, answerer in sft/)")
-    p.add_argument("--answerer", default="", help="HF path of the answerer (default: RUN/sft)")
-    p.add_argument("--writer", default="", help="HF path of the writer (default: RUN/final; RUN/sft = the SFT writer)")
-    p.add_argument("--data", default="", help="chunked instances JSONL (chunks, questions_and_answers)")
-    p.add_argument("--instances", type=int, default=64, help="held-out instances (embedded world)")
-    p.add_argument("--split", default="test", choices=list(SPLIT_SEEDS), help="held-out world seeds")
-    p.add_argument("--seed", type=int, default=0, help="which held-out instances")
-    p.add_argument("--chunks", type=int, default=4, help="chunks per instance (embedded world)")
-    p.add_argument("--top-k", type=int, default=3, help="BM25 top-k of each store for the answerer")
-    p.add_argument("--context-tokens", type=int, default=64, help="long-context baseline's budget of chunk tokens")
-    p.add_argument("--max-new-tokens", type=int, default=192, help="max tokens the writer generates per chunk")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    args = p.parse_args(argv)
-    device = pick_device(args.device)
-    import os
-    from transformers import AutoTokenizer
-    final = args.writer or os.path.join(args.checkpoint, "final")
-    writer = load_model(final, device).eval()
-    answerer = load_model(args.answerer or os.path.join(args.checkpoint, "sft"), device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(final)
-    if args.data:
-        instances = data.load_memalpha(args.data)
-    else:
-        instances = data.make_memalpha_instances(SPLIT_SEEDS[args.split] + args.seed, args.instances,
-                                                 seed=args.seed, n_chunks=args.chunks)
-    res = evaluate_memalpha(writer, answerer, tokenizer, instances, args.top_k, args.context_tokens,
-                            args.max_new_tokens, scripted=not args.data)
-    for method, r in res.items():
-        print(f"{method:13s} " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                           for k, v in r.items()))
-    print(json.dumps({"checkpoint": args.checkpoint, "writer": final, "split": args.split, "memalpha": res}))
 
 
 if __name__ == "__main__":

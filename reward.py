@@ -44,10 +44,6 @@ The seed's A1 steps: (1) rollout records full_traj and the round's <mem> span fo
 twice; (4) one compute_log_prob call; (5) split it into full_logp = [:N], mem_logp = [N:];
 (6) threshold masks, P, P_mem - P_full; the rewards are then pooled and normalised in grpo.py.
 
-**MemTrain** (section at the end, ALGORITHM.md section 3): ``reconstruction_reward`` = 1[pred == entity]
-(EM after normalisation) for the end-to-end and IMR rollouts, and ``memtrain_reward`` =
-e2e_i + (lam / G2) * sum_j imr_ij.
-
 Choices (the paper and the seed do not fix these):
 * validate_format checks rounds in order and, within a round, rules 1..8 in number order; the
   first broken rule is reported. Rule 6 is checked per round: a round before the last that
@@ -82,9 +78,6 @@ Choices (the paper and the seed do not fix these):
   RL runs diverge slightly from runs before the cap (as with any batching change).
   Results come back on the CPU in input order. The caller chooses the model's mode (eval).
 
-Mem-alpha (section at the end): r1 (frozen answerer's exact match from core + BM25 top-k of each
-store), r2 (call success rate), r3 (compression, unclipped), r4 (RULE checks; no judge model yet)
-and ``memalpha_reward``; the section's notes list every choice.
 """
 from __future__ import annotations
 
@@ -102,6 +95,10 @@ from rollout import Trajectory, left_pad
 PUNCT = set(string.punctuation)
 TAG_RE = re.compile(r"<(/?)(mem|think|search|access|answer|information)>")
 ACTIONS = ("search", "access", "answer")
+
+
+# the memory reward's defaults (train.Config's, and eval.py's for a checkpoint without a run config)
+THRESHOLD, MEM_MASK, PROBE_THINK = 0.5, "separate", "probe"
 
 
 # --------------------------------------------------------------------------- answer matching
@@ -215,7 +212,7 @@ def outcome_reward(traj: Trajectory) -> dict:
 
 # --------------------------------------------------------------------------- memory reward
 
-def answer_template(tokenizer, golds: list[list[str]], think: str = "probe") -> tuple[list[int], list[int]]:
+def answer_template(tokenizer, golds: list[list[str]], think: str = PROBE_THINK) -> tuple[list[int], list[int]]:
     """`` <think> {think} </think> <answer> g1 ; g2 </answer>`` -> (ids, ans_mask); ans_mask[j] = w > 0 on gold word w.
 
     The text is encoded ONCE, so the ids are exactly the tokenizer's own encoding of it (per-piece
@@ -324,8 +321,8 @@ def mem_grounded(mem: str, sources: list[str]) -> bool:
     return all(w in seen for w in words)
 
 
-def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float = 0.5,
-                   mask_mode: str = "separate", think: str = "probe",
+def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float = THRESHOLD,
+                   mask_mode: str = MEM_MASK, think: str = PROBE_THINK,
                    token_budget: int = 8192, gate: bool = False) -> dict:
     """mem_reward = P_mem - P_full for every round >= 2 with a <mem> span, all 2N pairs in one pass.
 
@@ -386,119 +383,3 @@ def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float =
     out["empty_frac"] = float(((n_full == 0) | (n_mem == 0)).float().mean())
     out["no_signal_frac"] = float(((n_full == 0) & (n_mem == 0)).float().mean())
     return out
-
-
-# --- MemTrain: reconstruction rewards (ALGORITHM.md section 3)
-#
-#     e2e_i   = 1[pred_i == entity]              the masked entity, answered from the final memory
-#     imr_ij  = 1[pred_ij == target]             IMR rollout j of trajectory i: memory o_k + chunk l -> [TARGET]
-#     R_i     = e2e_i + (lam / G2) * sum_j imr_ij          lam = 0.5 (paper)
-#
-# Choices: "==" is exact match after SQuAD normalisation (``normalize_answer``: "Gustave Eiffel." matches
-# "gustave eiffel"); no answer (None: the trajectory never closed ``</answer>``) scores 0. An IMR rollout
-# that could not be built (no earlier chunk with an entity) scores 0 too; the caller passes 0 for it.
-
-def reconstruction_reward(pred: str | None, entity: str) -> float:
-    """End-to-end / IMR reward: 1.0 iff the normalised prediction equals the normalised entity."""
-    return 0.0 if pred is None else em_score(pred, [entity])
-
-
-def memtrain_reward(e2e: Tensor, imr: Tensor, lam: float = 0.5) -> Tensor:
-    """R_i = e2e_i + lam / G2 * sum_j imr_ij; e2e (G1,), imr (G1, G2) -> (G1,)."""
-    if imr.dim() != 2 or imr.shape[0] != e2e.shape[0]:
-        raise ValueError(f"imr must be (G1, G2) with G1 = {e2e.shape[0]}, got {tuple(imr.shape)}")
-    g2 = max(imr.shape[1], 1)
-    return e2e.float() + lam / g2 * imr.float().sum(-1)
-
-
-# --- Mem-alpha: the four reward components (ALGORITHM.md section 2)
-"""Mem-alpha's reward for chunk step t of a trajectory:  r_t = r1 + r2_t + beta * r3 + gamma * r4_t.
-
-* r1 (per trajectory): QA accuracy of a FROZEN answerer given the FINAL memory, as
-  ``memory.answerer_messages`` shows it (core + BM25 top-k of each store, question as query);
-  greedy, one batched ``generate`` for every (memory, question) pair; metric = exact match after
-  SQuAD normalisation against any alias (``em_score``).
-* r2_t: successful calls / calls in chunk t (malformed ones count as calls); 0 with no calls.
-* r3 (per trajectory): 1 - memory tokens / chunk tokens (both counted by the same tokenizer); not
-  clipped, so a memory larger than its input is negative; 0 when there are no chunk tokens.
-* r4_t: valid / judged among chunk t's parsed insert and update calls, judged by RULES (no judge
-  model is wired in yet): core not empty and not a placeholder (``PLACEHOLDERS``, or fewer than 3
-  words); semantic = a fact (>= 3 words and no time expression); episodic = an event with a time
-  (>= 3 words and a time expression, ``TIME_RE``). A call is judged on its content whether or not it
-  executed (execution is r2's part); deletes and unparsable calls are not judged; 0 with nothing to judge.
-"""
-PLACEHOLDERS = {"", "none", "empty", "(empty)", "n/a", "na", "todo", "tbd", "placeholder", "nothing",
-                "no information", "no info", "unknown", "...", "core", "summary", "core memory"}
-TIME_RE = re.compile(r"\b(day \d+|\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}|(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)"
-                     r"[a-z]*\.? \d{1,2}|\d{1,2} (jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*|"
-                     r"(1[89]|20)\d\d|yesterday|today|tonight|this (morning|evening|week)|last (week|month|year))\b",
-                     re.I)
-
-
-def r2_call_success(results: list[tuple[bool, str]]) -> float:
-    """Fraction of a chunk's tool calls that executed; 0 when it made none."""
-    return sum(ok for ok, _ in results) / len(results) if results else 0.0
-
-
-def r3_compression(memory_tokens: int, chunk_tokens: int) -> float:
-    """1 - memory tokens / chunk tokens (unclipped); 0 when there are no chunk tokens."""
-    return 1.0 - memory_tokens / chunk_tokens if chunk_tokens > 0 else 0.0
-
-
-def content_valid(memory_type: str, content: str) -> bool:
-    """The rule judge: core is a real summary, semantic a timeless fact, episodic a dated event."""
-    text = " ".join(str(content).split())
-    words = len(text.split())
-    if memory_type == "core":
-        return text.lower().strip(" .") not in PLACEHOLDERS and words >= 3
-    if memory_type == "semantic":
-        return words >= 3 and not TIME_RE.search(text)
-    if memory_type == "episodic":
-        return words >= 3 and bool(TIME_RE.search(text))
-    return False
-
-
-def r4_validity(calls: list) -> float:
-    """Fraction of a chunk's parsed insert / update calls whose content passes ``content_valid``; 0 with none."""
-    judged = [content_valid(c.arguments["memory_type"], c.arguments.get("content", c.arguments.get("new_content")))
-              for c in calls if c.error is None and c.name in ("new_memory_insert", "memory_update")]
-    return sum(judged) / len(judged) if judged else 0.0
-
-
-def memalpha_reward(r1, r2, r3, r4, beta: float = 0.05, gamma: float = 0.1):
-    """r1 + r2 + beta * r3 + gamma * r4 (floats or tensors, elementwise)."""
-    return r1 + r2 + beta * r3 + gamma * r4
-
-
-def r1_accuracy(model, tokenizer, memories: list, questions: list[list[tuple[str, list[str]]]], k: int = 3,
-                max_new_tokens: int = 16, batch: int = 256) -> list[float]:
-    """Per memory: share of its ``(question, aliases)`` the frozen answerer gets exactly right (greedy)."""
-    from memory import answerer_messages
-    from rollout import encode_chat, generate
-    pairs = [(i, q, golds) for i, qs in enumerate(questions) for q, golds in qs]
-    prompts = [encode_chat(tokenizer, answerer_messages(memories[i], q, k)) for i, q, _ in pairs]
-    preds = []
-    for s in range(0, len(prompts), batch):
-        outs = generate(model, prompts[s:s + batch], max_new_tokens, pad_id=tokenizer.pad_token_id,
-                        eos_id=tokenizer.eos_token_id, temperature=0.0)
-        preds += [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
-    hits = [[] for _ in memories]
-    for (i, _, golds), p in zip(pairs, preds):
-        hits[i].append(em_score(p, golds))
-    return [sum(h) / len(h) if h else 0.0 for h in hits]
-
-
-def memalpha_rewards(answerer, tokenizer, rollouts: list, instances: list, k: int = 3, beta: float = 0.05,
-                     gamma: float = 0.1, max_new_tokens: int = 16) -> dict:
-    """Every component for ``rollout.MemRollout`` s: r1 / r3 per rollout, r2 / r4 / reward per chunk step."""
-    r1 = r1_accuracy(answerer, tokenizer, [r.memory for r in rollouts],
-                     [instances[r.group_id].questions for r in rollouts], k, max_new_tokens)
-    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
-    chunk_tokens = [sum(count(c.text) for c in inst.chunks) for inst in instances]
-    mem_tokens = [r.memory.n_tokens() for r in rollouts]
-    r3 = [r3_compression(m, chunk_tokens[r.group_id]) for m, r in zip(mem_tokens, rollouts)]
-    r2 = [[r2_call_success(s.results) for s in r.steps] for r in rollouts]
-    r4 = [[r4_validity(s.calls) for s in r.steps] for r in rollouts]
-    reward = [[memalpha_reward(r1[i], a, r3[i], b, beta, gamma) for a, b in zip(r2[i], r4[i])]
-              for i in range(len(rollouts))]
-    return {"r1": r1, "r2": r2, "r3": r3, "r4": r4, "reward": reward, "mem_tokens": mem_tokens}

@@ -30,10 +30,6 @@ and records everything the memory reward and the update need: the exact context 
 loss mask 1 on ``output`` only: in ``full`` mode this equals the original's one growing sequence
 (same tokens, same conditioning), computed per round for simplicity.
 
-MemTrain's memory agent (section at the end, ALGORITHM.md section 3): one MemPO-format step per chunk
-(the chunk arrives as a tool result, forced ``<mem>``, memory capped at a token budget, the last step
-answers), batched across rollouts on the same engine; its choices are listed in that section.
-
 Choices: a round that does not end in an action tag (EOS, max tokens) ends its trajectory, which
 the format check then scores 0; a round's TEXT ends at its first closing action tag (what a BPE token
 carries past it, ``>.`` or ``>\n``, is dropped from the text, the next context and the format check),
@@ -42,23 +38,18 @@ template of the records' text, which is what the policy then sees and what that 
 tool output is a whole chunk of the next prompt, never fed token by token; flash-attention-2 on CUDA
 when ``flash_attn`` imports, else SDPA. A model from elsewhere gets ``PROTOCOL_PROMPT``; a checkpoint
 of this project carries its own prompt (``system_prompt.txt``, ``checkpoint_prompt``).
-
-Mem-alpha (section at the end): tool calls in Qwen2.5's ``<tool_call>{"name", "arguments"}</tool_call>``
-convention. ``parse_tool_calls`` never raises: malformed JSON, an unknown tool, missing / extra /
-non-string arguments and an unclosed block are calls with an ``error``, executed as failures (they
-count in r2's denominator). A ``</tool_call>`` inside a JSON string still closes the block (as in
-Qwen's own parser).
 """
 from __future__ import annotations
 
-import json
+import os
 import re
 from dataclasses import dataclass, field
 
 import torch
 from rank_bm25 import BM25Okapi
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
-from memory import Record, extract_mem, mem_token_end, prepare_prompt, tool_record
+from memory import Record, mem_token_end, prepare_prompt, tool_record
 
 PROTOCOL_PROMPT = """You are a research agent that answers questions by searching a document collection. \
 You work in rounds. Each round you write, in this order and nothing else:
@@ -100,7 +91,6 @@ def attn_implementation(device: torch.device) -> str:
 def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
     """A HF causal LM for this device, weights in ``dtype``: fp32 to train (master weights; train.autocast
     gives the bf16 forward), bf16 to evaluate on CUDA. flash-attention-2 on CUDA when installed, else SDPA."""
-    from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                 attn_implementation=attn_implementation(device)).to(device)
 
@@ -108,12 +98,21 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float
 def checkpoint_prompt(path: str) -> str:
     """The system prompt a checkpoint was trained with (``system_prompt.txt``, written by train.py), else
     ``PROTOCOL_PROMPT`` (a model from elsewhere learns the protocol from the prompt)."""
-    import os
     f = os.path.join(path, "system_prompt.txt")
     if os.path.exists(f):
         with open(f, encoding="utf-8") as fh:
             return fh.read()
     return PROTOCOL_PROMPT
+
+
+def autocast(precision: str, device: torch.device):
+    """The forward's precision: bf16 autocast over fp32 master weights (``--precision``), else a no-op.
+
+    Weights, gradients and AdamW states stay fp32 (16 bytes a parameter), so an update of lr 1e-6 on
+    weights of scale 0.02 is not rounded away, as it is when AdamW steps bf16 weights directly.
+    """
+    on = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -196,17 +195,11 @@ def store_in_autocast_dtype(cache, device: torch.device) -> None:
         cache.update = lambda k, v, *args, **kw: update(k.to(dtype), v.to(dtype), *args, **kw)
 
 
-@torch.inference_mode()
-def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
-             eos_id: int | None = None, stop_seqs: list[list[int]] = (), stops: StopStrings | None = None,
-             temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             prefix_cache: PrefixCache | None = None) -> list[list[int]]:
-    """Sample continuations of ``prompts`` with a KV cache; each output ends at EOS, a stop token
-    sequence (``stop_seqs``) or a stop string (``stops``), the ending token kept. A prompt that starts with
-    a prefix stored in ``prefix_cache`` prefills only the rest (see ``PrefixCache``)."""
-    from transformers import StaticCache
-    device, B, T = model.device, len(prompts), max_new_tokens
-    # identical prompts (the G rollouts of one question) are prefilled once, their cache rows repeated
+def prefill(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, prefix_cache: PrefixCache | None):
+    """One forward over the left-padded ``prompts`` into a fresh ``StaticCache`` with room for ``max_new_tokens``
+    -> (last logits (B, V), attention mask (B, L), position ids (B, L), cache). Identical prompts (the G rollouts
+    of one question) are prefilled once and their cache rows repeated; a stored prefix is copied, not computed."""
+    device, B = model.device, len(prompts)
     first: dict[tuple, int] = {}
     copy_of = [first.setdefault(tuple(p), len(first)) for p in prompts]          # prompt -> unique prompt
     shared = [prefix_cache.match(p) if prefix_cache is not None else () for p in first]   # () = no prefix
@@ -214,7 +207,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: in
     if any(shared):      # columns [0, P) hold the stored prefix keys, right-aligned: [pad | prefix | pad | suffix]
         attn = torch.cat([prefix_mask(shared, device), attn], dim=1)              # (U, P + S)
     L = attn.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=L + T)   # written in place: no per-step concat
+    cache = StaticCache(config=model.config, max_cache_len=L + max_new_tokens)   # written in place: no per-step concat
     store_in_autocast_dtype(cache, device)
     if any(shared):
         prefix_cache.fill(cache, shared, L - ids.shape[1])
@@ -225,6 +218,20 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: in
         rep = torch.tensor(copy_of, device=device)
         select_rows(cache, rep)
         logits, attn, pos = logits[rep], attn[rep], pos[rep]         # (B, ...)
+    return logits, attn, pos, cache
+
+
+@torch.inference_mode()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
+             eos_id: int | None = None, stop_seqs: list[list[int]] = (), stops: StopStrings | None = None,
+             temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+             prefix_cache: PrefixCache | None = None) -> list[list[int]]:
+    """Sample continuations of ``prompts`` with a KV cache; each output ends at EOS, a stop token
+    sequence (``stop_seqs``) or a stop string (``stops``), the ending token kept. A prompt that starts with
+    a prefix stored in ``prefix_cache`` prefills only the rest (see ``PrefixCache``)."""
+    device, B, T = model.device, len(prompts), max_new_tokens
+    logits, attn, pos, cache = prefill(model, prompts, T, pad_id, prefix_cache)    # (B, V), (B, L), (B, L)
+    L = attn.shape[1]
     # keys each row may see; step t opens column L + t. SDPA takes its (b, 1, 1, L+T) view as is (no
     # per-step mask building); other attention kernels get the 2D mask and build their own.
     mask = torch.zeros(B, L + T, dtype=torch.bool, device=device)                # (b, L+T)
@@ -307,7 +314,6 @@ class PrefixCache:
     @torch.inference_mode()
     def add(self, model, prefixes: list[list[int]], pad_id: int) -> None:
         """Prefill the ``prefixes`` not stored yet (one forward over all of them) and keep their keys / values."""
-        from transformers import DynamicCache
         if any(t != "full_attention" for t in getattr(model.config, "layer_types", None) or ()):
             return
         new = list(dict.fromkeys(tuple(p) for p in prefixes if p and tuple(p) not in self.kv))
@@ -511,232 +517,15 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cf
     return trajs
 
 
-# --- MemTrain: the memory agent (ALGORITHM.md section 3)
-#
-# MemAgent-style overwrite memory in MemPO's format, so the skill transfers to the search agent. Step t
-# (one per chunk) sees
-#
-#     system + problem  +  assistant "<mem> o_{t-1} </mem>"  +  user "<information> chunk_t </information>"
-#
-# i.e. exactly the snail-shell prompt of a MemPO round (question + the last round + its tool result), the
-# chunk arriving as a tool result does, and writes (after the forced "<mem>" prefix)
-#
-#     <mem> o_t </mem>                                                 steps before the last
-#     <mem> o_t </mem> <think> answer </think> <answer> x </answer>    the last step (MemPO's answer round)
-#
-# Choices: the forced "<mem>" prefix is on at every step (step 1 too: there is no question to copy, the
-# memory starts from the first chunk); a step that does not close "</mem>" within the budget keeps what
-# it wrote as its memory (truncated to the budget) and the trajectory goes on; o_t is capped at
-# ``mem_tokens`` tokens when it is carried to the next step. An IMR rollout is the same last step with the
-# problem "which entity is [TARGET] ?", memory o_k and the masked chunk l, so the (trained) answer step
-# and the IMR step share one format; IMR rollouts earn reward only and are not training rows.
-
-MEM_STOP, ANSWER_STOP = ("</mem>",), ("</answer>",)
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
-
-
-@dataclass
-class MemAgentConfig:
-    system_prompt: str
-    mem_tokens: int = 64         # memory budget: o_t is cut to this many tokens
-    answer_tokens: int = 16      # extra tokens the last step may write after </mem>
-    temperature: float = 1.0
-    top_p: float = 1.0
-
-
-@dataclass
-class MemTrajectory:
-    """One memory-agent rollout over a task's chunks: a Round per step, the memory after each, the answer."""
-    problem: str
-    gold: str
-    group_id: int
-    chunks: list[str]
-    rounds: list[Round] = field(default_factory=list)
-    memories: list[str] = field(default_factory=list)
-    answer: str | None = None
-
-
-def memory_step_context(tokenizer, system_prompt: str, problem: str, memory: str | None, chunk: str) -> list[int]:
-    """Ids of one memory-agent step's prompt: system + problem (+ previous ``<mem>``) + the chunk as a tool result."""
-    records = [Record("prompt", problem)]
-    if memory is not None:
-        records.append(Record("llm_gen", f"<mem> {memory} </mem>"))
-    records.append(tool_record("search_results", f"<information> {chunk} </information>"))
-    return encode_chat(tokenizer, prepare_prompt(records, system_prompt, keep_rounds=1))
-
-
-def written_memory(tokenizer, text: str, mem_tokens: int) -> str:
-    """The ``<mem>`` body a step wrote (what follows ``<mem>`` when it never closed), cut to ``mem_tokens``."""
-    body = extract_mem(text)
-    if body is None:
-        body = text.split("<mem>", 1)[-1].split("</mem>", 1)[0].strip()
-    ids = tokenizer.encode(body, add_special_tokens=False)
-    return tokenizer.decode(ids[:mem_tokens]).strip() if len(ids) > mem_tokens else body
-
-
-def _step_batch(model, tokenizer, contexts: list[list[int]], last: bool, cfg: MemAgentConfig,
-                generator) -> list[tuple[list[int], list[int], str]]:
-    """One batched generation of memory steps -> (prefix ids, output ids, text) per context."""
-    prefix = tokenizer.encode("<mem>", add_special_tokens=False)
-    strings = ANSWER_STOP if last else MEM_STOP
-    close = len(tokenizer.encode(" </mem>", add_special_tokens=False))
-    outs = generate(model, [c + prefix for c in contexts], cfg.mem_tokens + close + (cfg.answer_tokens if last else 0),
-                    pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-                    stops=stop_strings(tokenizer, strings), temperature=cfg.temperature, top_p=cfg.top_p,
-                    generator=generator)
-    return [(prefix, o, cut_at_stop(tokenizer.decode(prefix + o), strings)) for o in outs]
-
-
-def memory_rollout(model, tokenizer, tasks: list, group_size: int, cfg: MemAgentConfig,
-                   generator: torch.Generator | None = None) -> list[MemTrajectory]:
-    """``group_size`` memory-agent rollouts per task (``data.MemTrainTask``), batched across rollouts, step by step."""
-    trajs = [MemTrajectory(task.problem, task.answer, gid, task.chunks)
-             for gid, task in enumerate(tasks) for _ in range(group_size)]
-    for t in range(max(len(x.chunks) for x in trajs)):
-        for last in (False, True):
-            live = [x for x in trajs if t < len(x.chunks) and (t == len(x.chunks) - 1) == last]
-            if not live:
-                continue
-            contexts = [memory_step_context(tokenizer, cfg.system_prompt, x.problem,
-                                            x.memories[-1] if x.memories else None, x.chunks[t]) for x in live]
-            for x, ctx, (pre, out, text) in zip(live, contexts, _step_batch(model, tokenizer, contexts, last, cfg,
-                                                                              generator)):
-                m = ANSWER_RE.search(text)
-                x.rounds.append(Round(ctx, pre, out, text, mem_token_end(tokenizer, pre + out),
-                                      ("answer" if m else None) if last else "mem"))
-                x.memories.append(written_memory(tokenizer, text, cfg.mem_tokens))
-                if last:
-                    x.answer = m.group(1).strip() if m else None
+def run_episodes(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
+                 bar=None) -> list[Trajectory]:
+    """One rollout per task (greedy when ``agent.temperature == 0``), ``batch`` tasks a call, in task order."""
+    trajs = []
+    for i in range(0, len(tasks), batch):
+        part = rollout(model, tokenizer, tasks[i:i + batch], 1, tool, agent)
+        if bar is not None:
+            bar.update(len(part))
+        for t in part:
+            t.group_id += i                      # index into ``tasks``
+        trajs += part
     return trajs
-
-
-def imr_rollout(model, tokenizer, items: list[tuple[str, str, str]], cfg: MemAgentConfig,
-                generator: torch.Generator | None = None) -> list[str | None]:
-    """IMR answers: each item ``(problem, memory o_k, masked chunk l)`` is one last step -> the ``<answer>`` body."""
-    if not items:
-        return []
-    contexts = [memory_step_context(tokenizer, cfg.system_prompt, p, mem, chunk) for p, mem, chunk in items]
-    out = []
-    for _, _, text in _step_batch(model, tokenizer, contexts, True, cfg, generator):
-        m = ANSWER_RE.search(text)
-        out.append(m.group(1).strip() if m else None)
-    return out
-
-
-# --- Mem-alpha: tool calls and the chunked memorisation loop (ALGORITHM.md section 2)
-
-@dataclass
-class ToolCall:
-    """One ``<tool_call>`` block: its tool and arguments, or why it cannot run (``error`` set)."""
-    name: str | None
-    arguments: dict
-    error: str | None = None
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>{json}</tool_call>`` in ``text``, in order; never raises.
-
-    A block whose body is not a JSON object with a string ``name`` of a known tool and an object
-    ``arguments`` holding exactly that tool's string arguments is returned with ``error`` set (a
-    failed call). An opened block that is never closed is one failed call; text outside blocks is ignored.
-    """
-    from memory import TOOL_ARGS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-    calls, pos = [], 0
-    while True:
-        start = text.find(TOOL_CALL_OPEN, pos)
-        if start < 0:
-            return calls
-        end = text.find(TOOL_CALL_CLOSE, start)
-        if end < 0:
-            calls.append(ToolCall(None, {}, "error: <tool_call> is never closed"))
-            return calls
-        calls.append(_tool_call(text[start + len(TOOL_CALL_OPEN):end], TOOL_ARGS))
-        pos = end + len(TOOL_CALL_CLOSE)
-
-
-def _tool_call(body: str, tool_args: dict) -> ToolCall:
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError) as e:                  # RecursionError: "[[[[..." nested too deep
-        return ToolCall(None, {}, f"error: not valid JSON ({type(e).__name__})")
-    if not isinstance(obj, dict):
-        return ToolCall(None, {}, "error: a tool call must be a JSON object")
-    name, args = obj.get("name"), obj.get("arguments", {})
-    if not isinstance(name, str) or name not in tool_args:
-        return ToolCall(None, {}, f"error: unknown tool {str(name)[:40]!r} (one of {', '.join(tool_args)})")
-    if not isinstance(args, dict):
-        return ToolCall(name, {}, "error: 'arguments' must be a JSON object")
-    required, optional = tool_args[name]
-    missing = [a for a in required if a not in args]
-    extra = [a for a in args if a not in required + optional]
-    wrong = [a for a in args if a not in extra and not (isinstance(args[a], str) or (a == "memory_id" and args[a] is None))]
-    if missing or extra or wrong:
-        why = "; ".join(f"{k}: {', '.join(map(str, v))[:80]}" for k, v in
-                        (("missing", missing), ("unexpected", extra), ("not a string", wrong)) if v)
-        return ToolCall(name, args, f"error: bad arguments for {name} ({why})")
-    return ToolCall(name, args)
-
-
-def execute_tool_calls(memory, calls: list[ToolCall]) -> list[tuple[bool, str]]:
-    """Run ``calls`` in order against a ``memory.StructuredMemory`` -> ``(ok, message)`` per call."""
-    out = []
-    for c in calls:
-        if c.error:
-            out.append((False, c.error))
-        elif c.name == "new_memory_insert":
-            out.append(memory.insert(c.arguments["memory_type"], c.arguments["content"]))
-        elif c.name == "memory_update":
-            out.append(memory.update(c.arguments["memory_type"], c.arguments["new_content"],
-                                     c.arguments.get("memory_id")))
-        else:
-            out.append(memory.delete(c.arguments["memory_type"], c.arguments["memory_id"]))
-    return out
-
-
-@dataclass
-class ChunkStep:
-    """One chunk of one rollout: the context the writer saw, what it sampled, its calls and their results."""
-    context_ids: list[int]
-    output_ids: list[int]
-    text: str
-    calls: list[ToolCall]
-    results: list[tuple[bool, str]]
-
-
-@dataclass
-class MemRollout:
-    """One rollout of one Mem-alpha instance: its memory after the last chunk and every chunk step."""
-    group_id: int                      # the instance's index: all G rollouts of it form one group
-    memory: object                     # memory.StructuredMemory
-    steps: list[ChunkStep] = field(default_factory=list)
-
-
-@dataclass
-class WriterConfig:
-    core_limit: int = 512
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    id_seed: int = 0                   # every memory draws ids from this seed (the SFT writer's too)
-
-
-def memalpha_rollout(model, tokenizer, instances: list, group_size: int, cfg: WriterConfig,
-                     generator: torch.Generator | None = None) -> list[MemRollout]:
-    """Feed every instance's chunks, in order, to ``group_size`` rollouts each; chunk c of every live
-    rollout of every instance is ONE batched ``generate`` call. Returns rollouts in instance order."""
-    from memory import StructuredMemory, writer_messages
-    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
-    outs = [MemRollout(i, StructuredMemory(cfg.core_limit, count, seed=cfg.id_seed))
-            for i in range(len(instances)) for _ in range(group_size)]
-    for c in range(max(len(inst.chunks) for inst in instances)):
-        live = [r for r in outs if c < len(instances[r.group_id].chunks)]
-        contexts = [encode_chat(tokenizer, writer_messages(r.memory, instances[r.group_id].chunks[c].text))
-                    for r in live]                                        # fresh context per chunk
-        gens = generate(model, contexts, cfg.max_new_tokens, pad_id=tokenizer.pad_token_id,
-                        eos_id=tokenizer.eos_token_id, temperature=cfg.temperature, top_p=cfg.top_p,
-                        generator=generator)
-        for r, ctx, out in zip(live, contexts, gens):
-            text = tokenizer.decode(out, skip_special_tokens=True)
-            calls = parse_tool_calls(text)
-            r.steps.append(ChunkStep(ctx, out, text, calls, execute_tool_calls(r.memory, calls)))
-    return outs

@@ -1,0 +1,404 @@
+"""Mem-alpha: learn to build a core / semantic / episodic memory with tool calls.
+
+    SFT   rows of two kinds, mixed in every batch: writer rows (the scripted writer's tool calls for
+          one chunk, in the fresh context the loop shows: ``writer_messages``) and answerer
+          rows (core + BM25 top-k of each store of the writer's FINAL memory + question -> the
+          answer that memory supports, ``memory_answer``). ``--flaw-p`` of the instances have
+          the never-revising writer, so the cold-started writer has headroom on changed facts.
+    r1's answerer = a frozen copy of the cold-started model (or ``--answerer PATH``).
+    GRPO  per step: ``--instances`` fresh instances x ``--group`` rollouts (``memalpha_rollout``);
+          reward per chunk step r1 + r2 + beta r3 + gamma r4 (``memalpha_rewards``); ONE group =
+          every chunk step of every rollout of an instance, std-normalised (``grpo.grouped_advantage``);
+          every chunk step is a training row (context + output, loss on output) for the shared ``ppo_update``.
+
+Choices: the tokenizer is ``build_memalpha_tokenizer`` (word-level, JSON glue as tokens: a name is the
+same one token in the chunk and in the call, so copying is a pointer step); ``--tokenizer bpe`` is the
+byte-level BPE of ``data.build_bpe_tokenizer`` trained on the world's and this task's text, with which
+the 3-layer model did not learn to copy (results/MEMALPHA.md). The first ``--sft-copy-steps`` steps see
+first-chunk writer rows only: the copy plateau (loss ~0.4-0.48) ended at step ~350 on seed 0 but at ~900-1000
+on seed 1 (seeds 1 and 2 had not left it at step 500), hence 1200 of 2200 SFT steps. Every SFT
+step draws a new world (the name pool is shared), so held-out worlds test generalisation to new facts;
+the generation ends at EOS (``<|im_end|>``) or ``--max-new-tokens``; no KL by default (the paper uses none).
+
+    python -m recipes.memalpha --run runs/memalpha          # then: python -m recipes.memalpha_eval --checkpoint runs/memalpha
+
+Built from the shared pieces: the engine (``rollout.generate``), ``grpo.py`` (advantages, rows), ``sft.run_sft``
+and ``train.ppo_update``; checkpoints and ``--resume`` through checkpoint.py. The memory and its tool calls are
+in ``recipes/memalpha_memory.py``, the task, the scripted writer and the tokenizer in ``recipes/memalpha_data.py``,
+the evaluation against the raw-chunk baselines in ``recipes/memalpha_eval.py``.
+
+**The reward** of chunk step t of a trajectory:  r_t = r1 + r2_t + beta * r3 + gamma * r4_t.
+
+* r1 (per trajectory): QA accuracy of a FROZEN answerer given the FINAL memory, as
+  ``answerer_messages`` shows it (core + BM25 top-k of each store, question as query);
+  greedy, one batched ``generate`` for every (memory, question) pair; metric = exact match after
+  SQuAD normalisation against any alias (``em_score``).
+* r2_t: successful calls / calls in chunk t (malformed ones count as calls); 0 with no calls.
+* r3 (per trajectory): 1 - memory tokens / chunk tokens (both counted by the same tokenizer); not
+  clipped, so a memory larger than its input is negative; 0 when there are no chunk tokens.
+* r4_t: valid / judged among chunk t's parsed insert and update calls, judged by RULES (no judge
+  model is wired in yet): core not empty and not a placeholder (``PLACEHOLDERS``, or fewer than 3
+  words); semantic = a fact (>= 3 words and no time expression); episodic = an event with a time
+  (>= 3 words and a time expression, ``TIME_RE``). A call is judged on its content whether or not it
+  executed (execution is r2's part); deletes and unparsable calls are not judged; 0 with nothing to judge.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+import checkpoint
+import data
+import dist
+import train
+from grpo import Sample, grouped_advantage
+from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunks_answer, chunks_messages,
+                                   long_context_chunks, make_memalpha_instances, memalpha_texts, memory_answer,
+                                   rag_chunks, writer_calls)
+from recipes.memalpha_memory import (WRITER_SYSTEM, StructuredMemory, ToolCall, answerer_messages,
+                                     execute_tool_calls, parse_tool_calls, writer_messages)
+from reward import em_score
+from rollout import encode_chat, generate, load_model, pick_device
+from sft import cosine_lr, run_sft
+
+flag = train.flag
+
+
+@dataclass
+class MemAlphaConfig(train.Config):
+    """Mem-alpha: SFT cold start + GRPO over chunk steps."""
+    run: str = flag("runs/memalpha", "output folder")
+    algo: str = flag("memalpha", "memalpha (this recipe)")
+    tokenizer: str = flag("word", "word (one token per word of the task, JSON glue as tokens) | bpe (byte-level "
+                                  "BPE, --vocab)")
+    sft_steps: int = flag(2200, "SFT cold-start steps (0 skips)")
+    sft_copy_steps: int = flag(1200, "first SFT steps on first-chunk writer rows only (learn to copy names into JSON)")
+    sft_batch: int = flag(32, "rows per SFT step")
+    rl_steps: int = flag(40, "GRPO steps (0 skips)")
+    max_new_tokens: int = flag(192, "max tokens the writer generates per chunk")
+    micro_tokens: int = flag(4096, "token budget of one update micro-batch")
+    mem_weight: float = flag(0.0, "unused: no <mem> spans in Mem-alpha (ppo_update reads it)")
+    vocab: int = flag(800, "BPE vocabulary size (--tokenizer bpe)")
+    answerer: str = flag("", "HF path of r1's frozen answerer (default: a frozen copy after SFT)")
+    chunks: int = flag(4, "chunks per instance")
+    facts_per_chunk: int = flag(2, "new facts per chunk")
+    questions_per_instance: int = flag(4, "questions per instance")
+    flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises")
+    instances: int = flag(4, "instances per GRPO step")
+    top_k_memory: int = flag(3, "BM25 top-k of each store for r1")
+    context_tokens: int = flag(64, "long-context baseline's chunk-token window (its SFT answerer rows use it)")
+    beta: float = flag(0.05, "weight of r3 (compression)")
+    gamma: float = flag(0.1, "weight of r4 (content validity)")
+    ckpt_every: int = flag(100, "steps (SFT or GRPO) between checkpoints in RUN/ckpt (0: only when SFT ends)")
+
+
+def parse_args(argv=None) -> MemAlphaConfig:
+    return train.parse_args(argv, MemAlphaConfig)
+
+
+# --------------------------------------------------------------------------- the memorisation loop
+
+@dataclass
+class ChunkStep:
+    """One chunk of one rollout: the context the writer saw, what it sampled, its calls and their results."""
+    context_ids: list[int]
+    output_ids: list[int]
+    text: str
+    calls: list[ToolCall]
+    results: list[tuple[bool, str]]
+
+
+@dataclass
+class MemRollout:
+    """One rollout of one Mem-alpha instance: its memory after the last chunk and every chunk step."""
+    group_id: int                      # the instance's index: all G rollouts of it form one group
+    memory: StructuredMemory
+    steps: list[ChunkStep] = field(default_factory=list)
+
+
+@dataclass
+class WriterConfig:
+    core_limit: int = 512
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    id_seed: int = 0                   # every memory draws ids from this seed (the SFT writer's too)
+
+
+def memalpha_rollout(model, tokenizer, instances: list, group_size: int, cfg: WriterConfig,
+                     generator: torch.Generator | None = None) -> list[MemRollout]:
+    """Feed every instance's chunks, in order, to ``group_size`` rollouts each; chunk c of every live
+    rollout of every instance is ONE batched ``generate`` call. Returns rollouts in instance order."""
+    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
+    outs = [MemRollout(i, StructuredMemory(cfg.core_limit, count, seed=cfg.id_seed))
+            for i in range(len(instances)) for _ in range(group_size)]
+    for c in range(max(len(inst.chunks) for inst in instances)):
+        live = [r for r in outs if c < len(instances[r.group_id].chunks)]
+        contexts = [encode_chat(tokenizer, writer_messages(r.memory, instances[r.group_id].chunks[c].text))
+                    for r in live]                                        # fresh context per chunk
+        gens = generate(model, contexts, cfg.max_new_tokens, pad_id=tokenizer.pad_token_id,
+                        eos_id=tokenizer.eos_token_id, temperature=cfg.temperature, top_p=cfg.top_p,
+                        generator=generator)
+        for r, ctx, out in zip(live, contexts, gens):
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            calls = parse_tool_calls(text)
+            r.steps.append(ChunkStep(ctx, out, text, calls, execute_tool_calls(r.memory, calls)))
+    return outs
+
+
+# --------------------------------------------------------------------------- the reward
+
+PLACEHOLDERS = {"", "none", "empty", "(empty)", "n/a", "na", "todo", "tbd", "placeholder", "nothing",
+                "no information", "no info", "unknown", "...", "core", "summary", "core memory"}
+TIME_RE = re.compile(r"\b(day \d+|\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}|(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)"
+                     r"[a-z]*\.? \d{1,2}|\d{1,2} (jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*|"
+                     r"(1[89]|20)\d\d|yesterday|today|tonight|this (morning|evening|week)|last (week|month|year))\b",
+                     re.I)
+
+
+def r2_call_success(results: list[tuple[bool, str]]) -> float:
+    """Fraction of a chunk's tool calls that executed; 0 when it made none."""
+    return sum(ok for ok, _ in results) / len(results) if results else 0.0
+
+
+def r3_compression(memory_tokens: int, chunk_tokens: int) -> float:
+    """1 - memory tokens / chunk tokens (unclipped); 0 when there are no chunk tokens."""
+    return 1.0 - memory_tokens / chunk_tokens if chunk_tokens > 0 else 0.0
+
+
+def content_valid(memory_type: str, content: str) -> bool:
+    """The rule judge: core is a real summary, semantic a timeless fact, episodic a dated event."""
+    text = " ".join(str(content).split())
+    words = len(text.split())
+    if memory_type == "core":
+        return text.lower().strip(" .") not in PLACEHOLDERS and words >= 3
+    if memory_type == "semantic":
+        return words >= 3 and not TIME_RE.search(text)
+    if memory_type == "episodic":
+        return words >= 3 and bool(TIME_RE.search(text))
+    return False
+
+
+def r4_validity(calls: list) -> float:
+    """Fraction of a chunk's parsed insert / update calls whose content passes ``content_valid``; 0 with none."""
+    judged = [content_valid(c.arguments["memory_type"], c.arguments.get("content", c.arguments.get("new_content")))
+              for c in calls if c.error is None and c.name in ("new_memory_insert", "memory_update")]
+    return sum(judged) / len(judged) if judged else 0.0
+
+
+def memalpha_reward(r1, r2, r3, r4, beta: float = 0.05, gamma: float = 0.1):
+    """r1 + r2 + beta * r3 + gamma * r4 (floats or tensors, elementwise)."""
+    return r1 + r2 + beta * r3 + gamma * r4
+
+
+def answer_contexts(model, tokenizer, message_lists: list[list[dict]], max_new_tokens: int = 16,
+                    batch: int = 256) -> list[str]:
+    """Greedy answers of ``model`` to each message list, ``batch`` prompts a ``generate`` call."""
+    prompts = [encode_chat(tokenizer, m) for m in message_lists]
+    out = []
+    for s in range(0, len(prompts), batch):
+        gens = generate(model, prompts[s:s + batch], max_new_tokens, pad_id=tokenizer.pad_token_id,
+                        eos_id=tokenizer.eos_token_id, temperature=0.0)
+        out += [tokenizer.decode(g, skip_special_tokens=True) for g in gens]
+    return out
+
+
+def r1_accuracy(model, tokenizer, memories: list, questions: list[list[tuple[str, list[str]]]], k: int = 3,
+                max_new_tokens: int = 16, batch: int = 256) -> list[float]:
+    """Per memory: share of its ``(question, aliases)`` the frozen answerer gets exactly right (greedy)."""
+    pairs = [(i, q, golds) for i, qs in enumerate(questions) for q, golds in qs]
+    preds = answer_contexts(model, tokenizer, [answerer_messages(memories[i], q, k) for i, q, _ in pairs],
+                            max_new_tokens, batch)
+    hits = [[] for _ in memories]
+    for (i, _, golds), p in zip(pairs, preds):
+        hits[i].append(em_score(p, golds))
+    return [sum(h) / len(h) if h else 0.0 for h in hits]
+
+
+def memalpha_rewards(answerer, tokenizer, rollouts: list, instances: list, k: int = 3, beta: float = 0.05,
+                     gamma: float = 0.1, max_new_tokens: int = 16) -> dict:
+    """Every component for ``MemRollout`` s: r1 / r3 per rollout, r2 / r4 / reward per chunk step."""
+    r1 = r1_accuracy(answerer, tokenizer, [r.memory for r in rollouts],
+                     [instances[r.group_id].questions for r in rollouts], k, max_new_tokens)
+    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
+    chunk_tokens = [sum(count(c.text) for c in inst.chunks) for inst in instances]
+    mem_tokens = [r.memory.n_tokens() for r in rollouts]
+    r3 = [r3_compression(m, chunk_tokens[r.group_id]) for m, r in zip(mem_tokens, rollouts)]
+    r2 = [[r2_call_success(s.results) for s in r.steps] for r in rollouts]
+    r4 = [[r4_validity(s.calls) for s in r.steps] for r in rollouts]
+    reward = [[memalpha_reward(r1[i], a, r3[i], b, beta, gamma) for a, b in zip(r2[i], r4[i])]
+              for i in range(len(rollouts))]
+    return {"r1": r1, "r2": r2, "r3": r3, "r4": r4, "reward": reward, "mem_tokens": mem_tokens}
+
+
+# --------------------------------------------------------------------------- SFT rows, the GRPO step, the run
+
+def memalpha_tokenizer(vocab: int = 800, seed: int = 0, kind: str = "bpe"):
+    """``kind`` word: ``data.build_memalpha_tokenizer``; bpe: the byte-level BPE tokenizer trained on the
+    world's text and this task's chunks and tool calls."""
+    if kind == "word":
+        return build_memalpha_tokenizer()
+    if kind != "bpe":
+        raise ValueError(f"--tokenizer must be word or bpe, not {kind!r}")
+    return data.build_bpe_tokenizer(data.world_texts(seed=seed) + memalpha_texts(seed=seed), vocab)
+
+
+def memalpha_instances(cfg: MemAlphaConfig, world_seed: int, n: int, seed: int, flaw_p: float = 0.0):
+    return make_memalpha_instances(world_seed, n, seed=seed, n_chunks=cfg.chunks,
+                                        facts_per_chunk=cfg.facts_per_chunk,
+                                        n_questions=cfg.questions_per_instance, flaw_p=flaw_p)
+
+
+def memalpha_expert_samples(tokenizer, inst: MemInstance, k: int = 3, core_limit: int = 512,
+                            context_tokens: int = 64) -> list[Sample]:
+    """The scripted writer's rows (one per chunk), then the answerer's rows: one per question from the
+    writer's final memory, one per question from raw chunks (``memalpha_raw_rows``)."""
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
+    mem = StructuredMemory(core_limit, lambda s: len(enc(s)), seed=0)     # ids as the loop draws them
+    rows = []
+    for chunk in inst.chunks:
+        ctx = encode_chat(tokenizer, writer_messages(mem, chunk.text))
+        rows.append(Sample(ctx + enc(writer_calls(mem, chunk, inst.flawed)) + [tokenizer.eos_token_id], len(ctx)))
+    for q, _ in inst.questions:
+        msgs = answerer_messages(mem, q, k)
+        ctx = encode_chat(tokenizer, msgs)
+        rows.append(Sample(ctx + enc(memory_answer(msgs[1]["content"], q)) + [tokenizer.eos_token_id], len(ctx)))
+    return rows + memalpha_raw_rows(tokenizer, inst, context_tokens)
+
+
+def memalpha_raw_rows(tokenizer, inst: MemInstance, context_tokens: int = 64) -> list[Sample]:
+    """Answerer rows over RAW chunks (the baselines' contexts), so one answerer serves memory and baselines:
+    question i sees the long-context window when i is even, the BM25 top-2 chunks when odd."""
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
+    texts = [c.text for c in inst.chunks]
+    window = long_context_chunks(texts, lambda s: len(enc(s)), context_tokens)
+    rows = []
+    for i, (q, _) in enumerate(inst.questions):
+        seen = window if i % 2 == 0 else rag_chunks(texts, q, 2)
+        ctx = encode_chat(tokenizer, chunks_messages(seen, q))
+        rows.append(Sample(ctx + enc(chunks_answer(seen, q)) + [tokenizer.eos_token_id], len(ctx)))
+    return rows
+
+
+def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample]:
+    """``cfg.sft_batch`` rows from instances of a world drawn for this step only.
+
+    During the first ``cfg.sft_copy_steps`` steps only the FIRST chunk's writer row of each instance
+    (empty memory: the shortest prompt) is used: the tiny model must first learn to copy names from the
+    chunk into JSON, and a measured 300-step cold start on all rows wrote one constant memory whatever
+    the chunk said (see the README's Mem-alpha section)."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9), cfg.flaw_p)
+    if step < cfg.sft_copy_steps:
+        return [memalpha_expert_samples(tokenizer, MemInstance(inst.chunks[:1], []))[0] for inst in insts]
+    rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory,
+                                                                 context_tokens=cfg.context_tokens)]
+    return rng.sample(rows, cfg.sft_batch)
+
+
+def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, step: int, instances=None) -> dict:
+    """One GRPO step: rollouts -> r1..r4 -> advantages grouped per instance over chunk steps -> ppo_update."""
+    if instances is None:
+        rng = random.Random(cfg.seed * 7_000_003 + step)
+        instances = memalpha_instances(cfg, rng.randrange(10**9), cfg.instances, rng.randrange(10**9))
+    gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step)
+    t0 = time.time()
+    model.eval()
+    rolls = memalpha_rollout(model, tokenizer, instances, cfg.group,
+                             WriterConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature), gen)
+    m: dict = {"stage": "rl", "step": step, "sec_rollout": time.time() - t0}
+    t0 = time.time()
+    rw = memalpha_rewards(answerer, tokenizer, rolls, instances, cfg.top_k_memory, cfg.beta, cfg.gamma)
+    steps = [(r.group_id, s, x) for r, xs in zip(rolls, rw["reward"]) for s, x in zip(r.steps, xs)]
+    # float64: equal rewards must give exactly-zero advantages, not float32 noise / (std + eps)
+    adv = grouped_advantage(torch.tensor([x for _, _, x in steps], dtype=torch.float64),
+                            torch.tensor([g for g, _, _ in steps]))
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
+    m.update(reward=mean([x for _, _, x in steps]), r1=mean(rw["r1"]), r3=mean(rw["r3"]),
+             r2=mean([x for xs in rw["r2"] for x in xs]), r4=mean([x for xs in rw["r4"] for x in xs]),
+             mem_tokens=mean(rw["mem_tokens"]), calls=mean([len(s.calls) for _, s, _ in steps]),
+             sec_reward=time.time() - t0)
+    samples = [Sample(s.context_ids + s.output_ids, len(s.context_ids), adv_t=float(a))
+               for (_, s, _), a in zip(steps, adv) if s.output_ids]
+    t0 = time.time()
+    if not samples or all(abs(s.adv_t) < 1e-6 for s in samples):
+        m["skipped"] = "all advantages are zero"
+    else:
+        m.update(train.ppo_update(model, None, optimizer, samples, cfg, tokenizer.pad_token_id))
+    m["sec_update"] = time.time() - t0
+    return m
+
+
+def run_memalpha(cfg: MemAlphaConfig) -> None:
+    """SFT cold start on the scripted writer + answerer, then GRPO with a frozen answerer for r1.
+
+    Checkpoints: ``RUN/ckpt`` (``checkpoint.save_checkpoint``: model, tokenizer, optimizer, stage + step, torch
+    RNG; written atomically) every ``--ckpt-every`` steps of either stage and when SFT ends; ``--resume``
+    continues from it with the same batches (data and sampling depend only on seed and step) and the
+    answerer saved in ``RUN/sft`` when SFT ended."""
+    metrics_path, ckpt = checkpoint.check_run(cfg.run, cfg.resume), os.path.join(cfg.run, "ckpt")
+    checkpoint.write_config(cfg.run, asdict(cfg))
+    torch.manual_seed(cfg.seed)
+    device = pick_device(cfg.device)        # one process: Mem-alpha has no torchrun path
+    state, trainer = {"stage": "sft", "step": 0}, checkpoint.resume(cfg.run) if cfg.resume else None
+    if trainer is not None:
+        state = trainer["state"]
+        model, tokenizer = load_model(ckpt, device), AutoTokenizer.from_pretrained(ckpt)
+        print(f"resuming memalpha {state['stage']} at step {state['step']} from {ckpt}")
+    else:
+        tokenizer = memalpha_tokenizer(cfg.vocab, cfg.seed, cfg.tokenizer)
+        model = data.build_tiny_model(tokenizer, cfg.hidden, cfg.layers, cfg.heads, cfg.ffn, seed=cfg.seed).to(device)
+    save = lambda opt, st: checkpoint.save_checkpoint(ckpt, model, tokenizer, opt, st, WRITER_SYSTEM)
+    t_start = time.time()
+    if state["stage"] == "sft":
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+        if trainer is not None:
+            dist.load_optimizer(model, opt, trainer["optimizer"])
+            torch.set_rng_state(trainer["torch_rng"])
+
+        def on_step(step: int, loss: float, gn: float, sec: float) -> None:
+            if step % 50 == 0 or step == cfg.sft_steps - 1:
+                checkpoint.log_jsonl(metrics_path, {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn,
+                                                    "sec_total": time.time() - t_start})
+            if cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.sft_steps:
+                save(opt, {"stage": "sft", "step": step + 1})
+
+        run_sft(model, opt, lambda step: memalpha_sft_batch(tokenizer, cfg, step), range(state["step"], cfg.sft_steps),
+                lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 50), cfg, tokenizer.pad_token_id, on_step,
+                desc="memalpha sft")
+        model.save_pretrained(os.path.join(cfg.run, "sft"))
+        tokenizer.save_pretrained(os.path.join(cfg.run, "sft"))
+        state, trainer = {"stage": "rl", "step": 0}, None
+        save(None, state)                   # SFT done: a kill from here on resumes at RL step 0
+    answerer = load_model(cfg.answerer or os.path.join(cfg.run, "sft"), device).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    if trainer is not None:
+        if trainer["optimizer"] is not None:           # None: the checkpoint written when SFT ended
+            dist.load_optimizer(model, opt, trainer["optimizer"])
+        torch.set_rng_state(trainer["torch_rng"])
+    bar = tqdm(range(state["step"], cfg.rl_steps), desc="memalpha grpo")
+    for step in bar:
+        m = memalpha_step(model, answerer, tokenizer, opt, cfg, step)
+        m["sec_total"] = time.time() - t_start
+        checkpoint.log_jsonl(metrics_path, m)
+        bar.set_postfix(reward=f"{m['reward']:.3f}", r1=f"{m['r1']:.3f}")
+        if cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.rl_steps:
+            save(opt, {"stage": "rl", "step": step + 1})
+    model.save_pretrained(os.path.join(cfg.run, "final"))
+    tokenizer.save_pretrained(os.path.join(cfg.run, "final"))
+    print(f"saved {cfg.run}/final")
+
+
+def main(argv=None) -> None:
+    run_memalpha(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""The Mem-alpha task: dated chunks about the embedded world, questions answerable only from memory,
+the scripted writer that teaches the cold start, the raw-chunk baselines' contexts, and the task's
+word-level tokenizer that writes JSON.
+
+A stream of dated chunks about the embedded world, then questions answerable only from memory.
+
+Each chunk is one day's report, ``day 5 : kalo boss mira . lapu boss is now tebo . zena friend ended .
+kalo visited tebo .``, with three kinds of line: a new fact (``s r o``), a change of a fact reported in
+an earlier chunk (``s r is now o``: the update case; ``s r ended``: the delete case) and an event
+(``s visited o``: it happened on that day). The questions at the end ask for a fact's LATEST value
+(``kalo boss ?`` -> ``puni``; ``none`` after ``ended``) and for when an event happened
+(``when kalo visited tebo ?`` -> ``day 5``). At least one question is about a changed fact whenever
+one changed, and one about an event.
+
+The scripted writer (the SFT cold start's teacher) runs its own calls against a ``StructuredMemory``
+so it can name ids: per chunk, an insert ``semantic "s r o"`` per new fact, ``memory_update``
+of the old entry per change, ``memory_delete`` per ended fact, an insert ``episodic "on day D s v o"``
+per event and a core rewrite ``latest report day D`` (a real, if short, summary). Its flaw (decided per
+INSTANCE, ALGORITHM.md 4.1: per-call noise is averaged away by imitation): on a ``flaw_p`` share of
+instances it never revises, i.e. writes no update or delete, so the stale value stays and the
+change questions fail; RL has that headroom.
+``memory_answer`` is the answerer's teacher: it reads the answer off what the answerer is shown (the
+first entry ``s r X`` in its view, ``none`` when there is none; ``day D`` from the first matching
+event, ``unknown`` when there is none), so a frozen answerer trained on it measures the memory,
+not its own knowledge.
+
+The baselines (``long_context_chunks``, ``rag_chunks``, ``chunks_messages``, taught by ``chunks_answer``)
+see the same streams as the writer: the newest raw chunks that fit a token budget, or the BM25+ top-2
+chunks for the question. They live here, with the task, because both the SFT rows
+(``recipes.memalpha.raw_rows``) and the evaluation (``recipes.memalpha_eval``) use them.
+
+``build_memalpha_tokenizer``: every word of the task is ONE token wherever it stands, and JSON round-trips.
+
+Why: with the byte-level BPE (``build_bpe_tokenizer``) a name reads `` pigo`` in the chunk but ``p`` ``igo``
+after the ``"`` that opens a JSON string (Qwen2's pre-tokeniser puts the space on the word, the quote
+on its own), so "copy the fact into the insert" was a learnt token-to-token MAPPING, and a 3-layer
+model did not learn it in 660 SFT steps (results/MEMALPHA.md). Here copying is a pointer step, as in
+MemPO's word-level world: ``pigo mother bufa`` is the same three tokens in the chunk and in the call.
+
+How: a ``WordLevel`` model behind two ``Split`` pre-tokenisers (regexes; the leftmost alternative wins):
+1. a space between a word character and a known word of 2+ characters is dropped (the decoder puts it
+   back), so the words of a fact are adjacent tokens as in the chunk: a space token between them made
+   every copy step a two-back match, and the copy plateau lasted ~900 steps (measured);
+2. the rest is cut into the JSON glue of a tool call as whole tokens (``<tool_call>{"name": "``,
+   ``", "arguments": {"``, ``": "``, ``", "``, ``"}}</tool_call>``), every word of the task (names,
+   relations, verbs, tool and argument names, prompt words, numbers 0-99) between word boundaries, and
+   any other single character (a space that is kept, a newline, one character of a random memory id).
+The decoder marks every token of 2+ word characters, joins all tokens (``Fuse``) and turns a mark after
+a word character into a space: ``decode(encode(text)) == text`` for any printable-ASCII text (a word
+token is preceded by a word character only where step 1 dropped a space). A character outside the
+vocabulary is ``<|endoftext|>`` (unk). Specials and chat template are ChatML's, as the BPE tokenizer's.
+Meant for the embedded world: text of unknown words is spelt one character a token.
+"""
+from __future__ import annotations
+
+import random
+import re
+import string
+from dataclasses import dataclass, field
+
+from rank_bm25 import BM25Plus
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from data import (CHATML_SPECIALS, CHATML_TEMPLATE, RELATIONS, UNKNOWN, DataError, World, make_world, name_pool,
+                  read_jsonl)
+from recipes.memalpha_memory import (ANSWER_SYSTEM, MEMORY_TYPES, TOOL_ARGS, TRUNCATED, WRITER_SYSTEM,
+                                     StructuredMemory, tool_call_text)
+from rollout import bm25_tokens
+
+EVENT_VERBS = ["met", "visited", "called", "helped"]
+NONE_ANSWER = "none"
+
+
+@dataclass
+class Chunk:
+    """One dated report: its text and, for the embedded world, the reports it is made of."""
+    text: str
+    day: int | None = None
+    reports: list[tuple] = field(default_factory=list)   # ("fact"|"change"|"end"|"event", s, r_or_verb, o)
+
+
+@dataclass
+class MemInstance:
+    """A Mem-alpha instance: chunks in order, then ``(question, aliases)`` pairs."""
+    chunks: list[Chunk]
+    questions: list[tuple[str, list[str]]]
+    flawed: bool = False        # the scripted writer's flaw for this instance (embedded world only)
+
+
+def make_memalpha_instance(world: World, rng: random.Random, n_chunks: int = 4, facts_per_chunk: int = 2,
+                           events_per_chunk: int = 1, change_p: float = 0.6, end_p: float = 0.3,
+                           n_questions: int = 4, flaw_p: float = 0.0) -> MemInstance:
+    """A stream of ``n_chunks`` dated chunks over ``world`` and ``n_questions`` questions about its end state."""
+    keys = rng.sample(sorted(world.facts), n_chunks * facts_per_chunk)
+    value: dict[tuple[str, str], str] = {}
+    changed: list[tuple[str, str]] = []
+    events: list[tuple[str, str, str, int]] = []
+    chunks, day = [], rng.randint(1, 3)
+    for c in range(n_chunks):
+        reports = []
+        for s, r in keys[c * facts_per_chunk:(c + 1) * facts_per_chunk]:
+            value[(s, r)] = world.facts[(s, r)]
+            reports.append(("fact", s, r, value[(s, r)]))
+        old = [k for k in value if value[k] != NONE_ANSWER and k not in changed and
+               not any(x[1:3] == k for x in reports)]
+        if c > 0 and old and rng.random() < change_p:
+            s, r = rng.choice(old)
+            if rng.random() < end_p:
+                value[(s, r)] = NONE_ANSWER
+                reports.append(("end", s, r, ""))
+            else:
+                value[(s, r)] = rng.choice([e for e in world.entities if e not in (s, value[(s, r)])])
+                reports.append(("change", s, r, value[(s, r)]))
+            changed.append((s, r))
+        for _ in range(events_per_chunk):
+            s, o = rng.sample(world.entities, 2)
+            v = rng.choice(EVENT_VERBS)
+            if not any(e[:3] == (s, v, o) for e in events):
+                events.append((s, v, o, day))
+                reports.append(("event", s, v, o))
+        chunks.append(Chunk(f"day {day} : " + " ".join(report_text(x) for x in reports), day, reports))
+        day += rng.randint(1, 3)
+    qs: list[tuple[str, list[str]]] = []
+    if changed:
+        s, r = rng.choice(changed)
+        qs.append((f"{s} {r} ?", [value[(s, r)]]))
+    if events:
+        s, v, o, d = rng.choice(events)
+        qs.append((f"when {s} {v} {o} ?", [f"day {d}"]))
+    pool = [k for k in value if f"{k[0]} {k[1]} ?" not in {q for q, _ in qs}]
+    for s, r in rng.sample(pool, min(len(pool), max(0, n_questions - len(qs)))):
+        qs.append((f"{s} {r} ?", [value[(s, r)]]))
+    return MemInstance(chunks, qs[:n_questions], rng.random() < flaw_p)
+
+
+def report_text(report: tuple) -> str:
+    kind, s, r, o = report
+    return {"fact": f"{s} {r} {o} .", "change": f"{s} {r} is now {o} .", "end": f"{s} {r} ended .",
+            "event": f"{s} {r} {o} ."}[kind]
+
+
+def make_memalpha_instances(world_seed: int, n: int, seed: int = 0, **kw) -> list[MemInstance]:
+    """``n`` instances over the world of ``world_seed``; ``kw`` goes to ``make_memalpha_instance``."""
+    world = make_world(world_seed)
+    rng = random.Random(seed * 100_003 + world_seed)
+    return [make_memalpha_instance(world, rng, **kw) for _ in range(n)]
+
+
+def writer_calls(memory, chunk: Chunk, flawed: bool = False) -> str:
+    """The scripted writer's output for ``chunk`` (tool-call text), executing each call on ``memory`` as it goes."""
+    out = []
+
+    def call(name: str, args: dict) -> str:
+        out.append(tool_call_text(name, args))
+        if name == "new_memory_insert":
+            return memory.insert(args["memory_type"], args["content"])[1]
+        if name == "memory_update":
+            return memory.update(args["memory_type"], args["new_content"], args.get("memory_id"))[1]
+        return memory.delete(args["memory_type"], args["memory_id"])[1]
+
+    def fact_id(s: str, r: str) -> str | None:
+        return next((i for i, t in memory.entries("semantic") if t.split()[:2] == [s, r]), None)
+
+    for kind, s, r, o in chunk.reports:
+        if kind == "fact":
+            call("new_memory_insert", {"memory_type": "semantic", "content": f"{s} {r} {o}"})
+        elif kind == "event":
+            call("new_memory_insert", {"memory_type": "episodic", "content": f"on day {chunk.day} {s} {r} {o}"})
+        elif not flawed and (i := fact_id(s, r)) is not None:
+            if kind == "change":
+                call("memory_update", {"memory_type": "semantic", "new_content": f"{s} {r} {o}", "memory_id": i})
+            else:
+                call("memory_delete", {"memory_type": "semantic", "memory_id": i})
+    call("memory_update", {"memory_type": "core", "new_content": f"latest report day {chunk.day}"})
+    return "".join(out)
+
+
+def memory_answer(view: str, question: str) -> str:
+    """The answerer's teacher: the answer that ``view`` (the answerer's memory text) supports."""
+    words = question.replace("?", " ").split()
+    lines = [ln.split(":", 1)[1].split() for ln in view.splitlines()
+             if ":" in ln and not ln.startswith("question:")]
+    if words and words[0] == "when":
+        for ln in lines:
+            if ln[:2] == ["on", "day"] and ln[3:] == words[1:]:
+                return f"day {ln[2]}"
+        return UNKNOWN
+    for ln in lines:
+        if len(ln) == 3 and ln[:2] == words[:2]:
+            return ln[2]
+    return NONE_ANSWER
+
+
+def memalpha_texts(n: int = 40, seed: int = 0) -> list[str]:
+    """Text of the Mem-alpha task (chunks, writer calls, questions): BPE training data so JSON gets merges."""
+    texts = []
+    for inst in make_memalpha_instances(seed + 7, n, seed=seed, flaw_p=0.5):
+        mem = StructuredMemory(seed=seed)
+        for c in inst.chunks:
+            texts += [c.text, mem.render(c.text), writer_calls(mem, c, inst.flawed)]
+        texts += [f"{q} {a[0]}" for q, a in inst.questions]
+    return texts
+
+
+def load_memalpha(path: str) -> list[MemInstance]:
+    """Chunked instances from JSONL: ``chunks`` (list of strings) and ``questions_and_answers``
+    (list of ``{"question": str, "answer": str | [str, ...]}``). Errors name the file and line."""
+    out = []
+    for n, row in read_jsonl(path):
+        chunks, qas = row.get("chunks"), row.get("questions_and_answers")
+        if not isinstance(chunks, list) or not chunks or not all(isinstance(c, str) and c.strip() for c in chunks):
+            raise DataError(f"{path}:{n}: 'chunks' must be a non-empty list of non-empty strings")
+        if not isinstance(qas, list) or not qas:
+            raise DataError(f"{path}:{n}: 'questions_and_answers' must be a non-empty list")
+        questions = []
+        for j, qa in enumerate(qas):
+            q = qa.get("question") if isinstance(qa, dict) else None
+            a = qa.get("answer") if isinstance(qa, dict) else None
+            a = [a] if isinstance(a, str) else a
+            if not isinstance(q, str) or not q.strip() or not isinstance(a, list) or not a or \
+                    not all(isinstance(x, str) for x in a):
+                raise DataError(f"{path}:{n}: questions_and_answers[{j}] needs a string 'question' and an "
+                                f"'answer' string or list of strings")
+            questions.append((q.strip(), a))
+        out.append(MemInstance([Chunk(c.strip()) for c in chunks], questions))
+    if not out:
+        raise DataError(f"{path}: no instances")
+    return out
+
+
+def chunks_answer(chunks: list[str], question: str) -> str:
+    """The answer the raw ``chunks`` support (the baselines' teacher): the newest report of the fact
+    (``none`` after ``ended`` or when unreported), or the day of the chunk that reports the event."""
+    words = question.replace("?", " ").split()
+    answer = UNKNOWN if words and words[0] == "when" else NONE_ANSWER
+    for chunk in chunks:
+        head, _, body = chunk.partition(":")
+        for line in body.split("."):
+            w = line.split()
+            if words and words[0] == "when":
+                if w == words[1:]:
+                    answer = head.strip()
+            elif w[:2] == words[:2] and len(w) >= 3:
+                answer = NONE_ANSWER if w[2] == "ended" else w[-1]
+    return answer
+
+
+# --------------------------------------------------------------------------- the baselines' contexts
+
+def chunks_messages(chunks: list[str], question: str) -> list[dict]:
+    """The answerer's context for the raw-chunk baselines: the chunks, then the question."""
+    return [{"role": "system", "content": ANSWER_SYSTEM},
+            {"role": "user", "content": "\n".join(f"chunk: {c}" for c in chunks) + f"\nquestion: {question}"}]
+
+
+def long_context_chunks(chunks: list[str], count_tokens, budget: int) -> list[str]:
+    """The newest chunks whose tokens fit ``budget`` together, in stream order (at least none)."""
+    kept, used = [], 0
+    for c in reversed(chunks):
+        n = count_tokens(c)
+        if used + n > budget:
+            break
+        kept.insert(0, c)
+        used += n
+    return kept
+
+
+def rag_chunks(chunks: list[str], question: str, k: int = 2) -> list[str]:
+    """BM25 (``rank-bm25``, BM25+ as the structured memory) top-``k`` raw chunks for ``question``, in stream order."""
+    scores = BM25Plus([bm25_tokens(c) for c in chunks]).get_scores(bm25_tokens(question))
+    top = sorted(range(len(chunks)), key=lambda i: (-scores[i], -i))[:k]
+    return [chunks[i] for i in sorted(top)]
+
+
+# --------------------------------------------------------------------------- the word-level tokenizer
+
+TOOL_JSON_GLUE = ['<tool_call>{"name": "', '", "arguments": {"', '"}}</tool_call>', '": "', '", "']
+
+
+def memalpha_words() -> list[str]:
+    """Every word the Mem-alpha task writes (world names, relations, verbs, tools, prompts), deduplicated."""
+    words = name_pool() + RELATIONS + EVENT_VERBS + list(MEMORY_TYPES) + list(TOOL_ARGS)
+    words += [a for req, opt in TOOL_ARGS.values() for a in req + opt]
+    words += (WRITER_SYSTEM + " " + ANSWER_SYSTEM).split() + [TRUNCATED, NONE_ANSWER, UNKNOWN]
+    words += "day is now ended on when latest report question chunk more not shown empty system user assistant".split()
+    words += [str(k) for k in range(100)]
+    return list(dict.fromkeys(w for w in words if re.fullmatch(r"\w+", w)))
+
+
+def build_memalpha_tokenizer():
+    """The word-level ChatML tokenizer of the Mem-alpha task (see this section's notes). Deterministic."""
+    words = memalpha_words()
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = list(dict.fromkeys(CHATML_SPECIALS + TOOL_JSON_GLUE + words + chars))
+    alt = lambda ws: "|".join(sorted(ws, key=len, reverse=True))      # longest first: memory_type before memory
+    glue = "|".join(re.escape(g) for g in TOOL_JSON_GLUE)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token=CHATML_SPECIALS[0]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(rf"(?<=\w) (?=(?:{alt(w for w in words if len(w) > 1)})\b)"), behavior="removed"),
+        pre_tokenizers.Split(Regex(rf"{glue}|\b(?:{alt(words)})\b|[\s\S]"), behavior="isolated")])
+    mark = "\x02"                                                      # never in the text: not in the vocabulary
+    tok.decoder = decoders.Sequence([decoders.Replace(Regex(r"^(?=\w{2,}$)"), mark), decoders.Fuse(),
+                                     decoders.Replace(Regex(rf"(?<=\w){mark}"), " "), decoders.Replace(mark, "")])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=CHATML_SPECIALS[0], pad_token=CHATML_SPECIALS[0],
+                                 eos_token="<|im_end|>", additional_special_tokens=CHATML_SPECIALS[1:],
+                                 clean_up_tokenization_spaces=False)
+    hf.chat_template = CHATML_TEMPLATE
+    return hf

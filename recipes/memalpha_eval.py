@@ -1,0 +1,111 @@
+"""Mem-alpha's evaluation: the writer (RUN/final) builds a memory per held-out
+instance greedily; the frozen answerer (RUN/sft, the cold-started copy, or ``--answerer``) answers
+from core + BM25 top-k of each store. Reported: accuracy (exact match), memory tokens, tool-call
+success (successful / all calls), r4 validity; on the embedded world also ``scripted``: the same answerer
+reading the scripted (never flawed) writer's memory, the ceiling of what a writer can give it.
+Baselines on the same streams with the same answerer: ``long_context`` (the newest raw chunks that fit
+``--context-tokens``) and ``rag_top2`` (BM25 top-2 raw chunks for the question). Memory tokens of a
+baseline = what it keeps: the chunks in its window, or every chunk for RAG. The embedded answerer learnt raw-chunk contexts in SFT too
+(``recipes.memalpha.memalpha_raw_rows``), so the three conditions share one answerer.
+
+    python -m recipes.memalpha_eval --checkpoint runs/memalpha [--data chunks.jsonl]
+
+One line per method, then one JSON line last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from transformers import AutoTokenizer
+
+from data import SPLIT_SEEDS
+from recipes.memalpha import WriterConfig, answer_contexts, memalpha_rollout, r4_validity
+from recipes.memalpha_data import (chunks_messages, load_memalpha, long_context_chunks, make_memalpha_instances,
+                                   rag_chunks, writer_calls)
+from recipes.memalpha_memory import StructuredMemory, answerer_messages
+from reward import em_score
+from rollout import load_model, pick_device
+
+
+def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, context_tokens: int = 64,
+                      max_new_tokens: int = 192, scripted: bool = False) -> dict:
+    """Mem-alpha writer vs long-context and RAG-top-2 on the same instances -> {method: metrics};
+    ``scripted`` adds the scripted writer's memory (embedded instances only: it reads ``Chunk.reports``)."""
+    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
+    rolls = memalpha_rollout(writer, tokenizer, instances, 1, WriterConfig(max_new_tokens=max_new_tokens,
+                                                                          temperature=0.0))
+    views = {"memalpha": [], "long_context": [], "rag_top2": []} | ({"scripted": []} if scripted else {})
+    kept = {m: [] for m in views}
+    golds = []
+    for r, inst in zip(rolls, instances):
+        texts = [c.text for c in inst.chunks]
+        window = long_context_chunks(texts, count, context_tokens)
+        if scripted:                   # the ceiling: the SFT teacher's memory (never flawed) read by the same answerer
+            ideal = StructuredMemory(r.memory.core_limit, count, seed=0)
+            for chunk in inst.chunks:
+                writer_calls(ideal, chunk)
+            kept["scripted"].append(ideal.n_tokens())
+            views["scripted"] += [answerer_messages(ideal, q, k) for q, _ in inst.questions]
+        kept["memalpha"].append(r.memory.n_tokens())
+        kept["long_context"].append(sum(count(c) for c in window))
+        kept["rag_top2"].append(sum(count(c) for c in texts))
+        for q, g in inst.questions:
+            views["memalpha"].append(answerer_messages(r.memory, q, k))
+            views["long_context"].append(chunks_messages(window, q))
+            views["rag_top2"].append(chunks_messages(rag_chunks(texts, q, 2), q))
+            golds.append(g)
+    calls = [res for r in rolls for s in r.steps for res in s.results]
+    # inserts whose every word comes from the chunk or is "on" / "day" / its number: copied, not invented
+    inserts = [(c.arguments["content"], inst.chunks[j].text) for r, inst in zip(rolls, instances)
+               for j, s in enumerate(r.steps) for c in s.calls if c.error is None and c.name == "new_memory_insert"]
+    copied = [set(x.split()) <= set(t.split()) | {"on", "day"} for x, t in inserts]
+    out = {}
+    for method, msgs in views.items():
+        preds = answer_contexts(answerer, tokenizer, msgs)
+        out[method] = {"accuracy": sum(em_score(p, g) for p, g in zip(preds, golds)) / len(golds),
+                       "memory_tokens": sum(kept[method]) / len(kept[method]), "questions": len(golds)}
+    out["memalpha"].update(tool_success=sum(ok for ok, _ in calls) / len(calls) if calls else 0.0,
+                           calls_per_chunk=len(calls) / sum(len(r.steps) for r in rolls),
+                           inserts_copied=sum(copied) / len(copied) if copied else 0.0,
+                           validity=sum(r4_validity(s.calls) for r in rolls for s in r.steps) /
+                           sum(len(r.steps) for r in rolls))
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Evaluate a Mem-alpha run against long-context and RAG-top-2.")
+    p.add_argument("--checkpoint", required=True, help="Mem-alpha run folder (writer in final/, answerer in sft/)")
+    p.add_argument("--answerer", default="", help="HF path of the answerer (default: RUN/sft)")
+    p.add_argument("--writer", default="", help="HF path of the writer (default: RUN/final; RUN/sft = the SFT writer)")
+    p.add_argument("--data", default="", help="chunked instances JSONL (chunks, questions_and_answers)")
+    p.add_argument("--instances", type=int, default=64, help="held-out instances (embedded world)")
+    p.add_argument("--split", default="test", choices=list(SPLIT_SEEDS), help="held-out world seeds")
+    p.add_argument("--seed", type=int, default=0, help="which held-out instances")
+    p.add_argument("--chunks", type=int, default=4, help="chunks per instance (embedded world)")
+    p.add_argument("--top-k", type=int, default=3, help="BM25 top-k of each store for the answerer")
+    p.add_argument("--context-tokens", type=int, default=64, help="long-context baseline's budget of chunk tokens")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="max tokens the writer generates per chunk")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    args = p.parse_args(argv)
+    device = pick_device(args.device)
+    final = args.writer or os.path.join(args.checkpoint, "final")
+    writer = load_model(final, device).eval()
+    answerer = load_model(args.answerer or os.path.join(args.checkpoint, "sft"), device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    if args.data:
+        instances = load_memalpha(args.data)
+    else:
+        instances = make_memalpha_instances(SPLIT_SEEDS[args.split] + args.seed, args.instances,
+                                                 seed=args.seed, n_chunks=args.chunks)
+    res = evaluate_memalpha(writer, answerer, tokenizer, instances, args.top_k, args.context_tokens,
+                            args.max_new_tokens, scripted=not args.data)
+    for method, r in res.items():
+        print(f"{method:13s} " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in r.items()))
+    print(json.dumps({"checkpoint": args.checkpoint, "writer": final, "split": args.split, "memalpha": res}))
+
+
+if __name__ == "__main__":
+    main()
