@@ -25,8 +25,8 @@ Choices and deviations (the paper / seed do not fix these):
   "std ~0.5 -> +0.8 / -1.2", which is the population std rounded; unbiased gives 0.5477 ->
   +0.7303 / -1.0954. A group (or pool) of one value gets advantage 0 (mean = itself, std := 1).
   A constant group gets 0, never NaN (the eps in the denominator).
-* norm_by_std=False is Dr.GRPO (score - mean), used by MemTrain, together with filter_groups
-  (DAPO: rows of groups whose scores are all equal are dropped; train.py logs kept / dropped groups).
+* norm_by_std=False is Dr.GRPO (score - mean); filter_groups is DAPO's filter (rows of groups whose
+  scores are all equal are dropped). MemPO uses neither; they are here for recipes that do.
 * memory_advantage offers four pooling modes: "std" (the paper's pool over trajectories and
   rounds), "none" (pool mean only), "round" (a separate pool per round index k, so round 2
   memories compete only with round 2 memories; keyed on the real round index that
@@ -53,8 +53,16 @@ Choices and deviations (the paper / seed do not fix these):
   the whole trajectory row b belongs to and ``n_seqs`` the number of trajectories, so
   seq-mean-token-mean = mean over trajectories of (mean over that trajectory's policy tokens).
   Default: every row is a sequence of its own (seq_tokens = the row's count).
+
+Rows and batches (``Sample``, ``collate``, ``micro_batches``): every round is one training row
+``context + forced prefix + output`` with loss mask 1 on ``output``; ``collate`` right-pads rows into
+the (B, T) tensors the loss reads, and ``micro_batches`` sorts rows by length and cuts them into
+micro-batches of at most ``token_budget`` padded tokens (little padding; the denominators above stay
+the whole batch's).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -232,3 +240,59 @@ def filter_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
     hi = torch.full((n_groups,), -torch.inf).scatter_reduce(0, index, scores, "amax")
     lo = torch.full((n_groups,), torch.inf).scatter_reduce(0, index, scores, "amin")
     return (hi > lo)[index]
+
+
+# --------------------------------------------------------------------------- rows and batches
+
+@dataclass
+class Sample:
+    """One round as a training row: ids = context + prefix + output; loss on output only."""
+    ids: list[int]
+    n_prompt: int            # context + forced prefix (mask 0)
+    mem_end: int = 0         # tokens after n_prompt - len(prefix) that form the <mem> span
+    n_prefix: int = 0
+    adv_t: float = 0.0       # outcome advantage of its trajectory
+    adv_m: float = 0.0       # memory advantage of this round
+    traj: int | None = None  # trajectory id (rows of one trajectory form one "sequence"); None = its own
+
+
+def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Right-pad rows -> ids, attention mask, loss mask, mem span, per-row advantages. All (B, T) or (B,)."""
+    T = max(len(s.ids) for s in samples)
+    B = len(samples)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T))
+    mem_span = torch.zeros((B, T))
+    for i, s in enumerate(samples):
+        n = len(s.ids)
+        ids[i, :n] = torch.tensor(s.ids)
+        attn[i, :n] = 1
+        loss_mask[i, s.n_prompt:n] = 1
+        start = s.n_prompt - s.n_prefix
+        mem_span[i, start:start + s.mem_end] = 1
+    adv_t = torch.tensor([s.adv_t for s in samples])
+    adv_m = torch.tensor([s.adv_m for s in samples])
+    return {k: v.to(device) for k, v in dict(ids=ids, attn=attn, loss_mask=loss_mask, mem_span=mem_span,
+                                              adv_t=adv_t, adv_m=adv_m).items()}
+
+
+def micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
+    """Sort rows by length and cut into micro-batches of at most ``token_budget`` padded tokens."""
+    order = sorted(samples, key=lambda s: len(s.ids))
+    batches, cur = [], []
+    for s in order:
+        if cur and (len(cur) + 1) * len(s.ids) > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def padding_waste(batches: list[list[Sample]]) -> float:
+    """Fraction of computed token positions that are padding."""
+    real = sum(len(s.ids) for b in batches for s in b)
+    total = sum(len(b) * max(len(s.ids) for s in b) for b in batches)
+    return 1 - real / max(total, 1)

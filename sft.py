@@ -1,0 +1,341 @@
+"""The SFT cold start: the scripted expert's rows, the probe and copy rows, file rows, and ONE SFT loop.
+
+Every recipe's supervised stage runs through ``run_sft``: per step, a batch of rows (``batch(step)``), their
+policy-token count as the WHOLE batch's denominator, micro-batches sorted by length with gradient
+accumulation, grad-norm clipping, one AdamW step, then the caller's ``on_step`` (logging, evaluation,
+checkpoints). MemPO's cold start (``cold_start``) feeds it:
+
+* ``copy_batch`` for the first ``--sft-copy-steps`` steps: a random question -> its objectives copied as
+  ``<mem>`` entries (a tiny model learns to copy a name only after a long loss plateau, cheaper on short rows);
+* then ``sft_batch``: rounds of the scripted expert (``data.expert_episode``, with the BM25 tool's real
+  results) on a world drawn for the step, a few rounds per episode, the K curriculum, ``--forget-p`` of the
+  episodes with the forgetting flaw; plus probe rows (``probe_samples``, ``--sft-probe``): both contexts the
+  memory reward scores -> the answers that context holds, after a ``<think> probe </think> <answer>``
+  marker without loss (issue 13; reward.py, "Where the probes sit");
+* or, with ``--sft-data``, ``file_batch``: rounds of a chat-format trajectory file, rendered with the run's
+  system prompt.
+
+Every row is rendered exactly as the agent loop renders the round (``episode_samples``: snail or full
+context, the forced ``<mem>`` prefix without loss on rounds >= 2). The lr warms up linearly, then follows a
+cosine to 0 (``cosine_lr``). ``held_out_f1`` is the periodic greedy check on held-out worlds that the SFT and
+RL logs carry (``val_f1_k2`` / ``val_f1_k4``); eval.py reports the full tables.
+
+``python sft.py --export DIR`` writes the embedded world as real-format files (test sets, corpora, and
+expert trajectories for ``--sft-data``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+import data
+import dist
+from checkpoint import log_jsonl, save_checkpoint
+from grpo import Sample, collate, micro_batches
+from memory import Record, extract_mem, prepare_prompt, tool_record
+from reward import answer_template, outcome_reward
+from rollout import AgentConfig, SearchTool, autocast, encode_chat, parse_action, run_episodes
+
+
+# --------------------------------------------------------------------------- rows of the cold start
+
+def episode_records(question: str, rounds: list[tuple[str, str | None]]):
+    """Walk one episode: yield ``(t, text, records before round t)``, the records the agent loop would hold.
+
+    ``rounds[t] = (assistant text, tool result or None)``. The one walk behind the policy's SFT rows and
+    the probe rows; a caller encodes the records it needs (``prepare_prompt``: snail or full context).
+    """
+    records = [Record("prompt", question)]
+    for t, (text, tool_text) in enumerate(rounds):
+        yield t, text, records
+        records.append(Record("llm_gen", text))
+        if tool_text is not None:
+            kind = "webpage" if parse_action(text)[0] == "access" else "search_results"
+            records.append(tool_record(kind, tool_text))
+
+
+def episode_samples(tokenizer, question: str, rounds: list[tuple[str, str | None]], system_prompt: str,
+                    mem_prefix: bool = True, keep: set[int] | None = None, context: str = "snail") -> list[Sample]:
+    """Render one episode's rounds as training rows, exactly as the agent loop would see them.
+
+    ``rounds[t] = (assistant text, tool result or None)``. Row t = the round's context (``context``: snail or
+    full) + the forced ``<mem>`` prefix (rounds >= 2, loss mask 0) + the rest of the round. ``keep``
+    (0-based round indices) renders only those rows; None renders all.
+    """
+    prefix = tokenizer.encode("<mem>", add_special_tokens=False) if mem_prefix else []
+    out = []
+    for t, text, records in episode_records(question, rounds):
+        if keep is None or t in keep:
+            ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None if context == "full" else 1))
+            pre = prefix if t > 0 and text.startswith("<mem>") else []
+            body = text[len("<mem>"):] if pre else text
+            out.append(Sample(ctx + pre + tokenizer.encode(body, add_special_tokens=False), len(ctx) + len(pre)))
+    return out
+
+
+def expert_turns(task: data.Task, tool: SearchTool, forget: bool) -> list[tuple[str, tuple[str, str] | None, str | None]]:
+    """The scripted expert's episode with the BM25 tool's real results: ``(round text, query, tool result)``."""
+    return [(text, q, tool.search(" ".join(q)) if q is not None else None)
+            for text, q in data.expert_episode(task, forget)]
+
+
+def expert_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, mem_prefix: bool = True,
+                   system_prompt: str = data.SYSTEM_PROMPT, mem_answer: float = 0.0,
+                   rng: random.Random | None = None, rounds: set[int] | None = None,
+                   turns: list | None = None) -> list[Sample]:
+    """Rows of one scripted expert episode (``episode_samples`` with the BM25 tool's real results).
+
+    ``turns``: the episode's ``expert_turns`` when the caller has them (sft_batch shares them with the
+    probe rows); else they are made here.
+
+    With ``mem_answer`` > 0, each rendered round >= 2 also yields (with that probability) a memory-only
+    row: ``mem_traj`` (initial prompt + the round's ``<mem>``) -> ``<think> answer </think> <answer> ...``,
+    answering from memory alone (``unknown`` where it holds no answer) -- the context P_mem scores.
+    """
+    turns = turns if turns is not None else expert_turns(task, tool, forget)
+    out = episode_samples(tokenizer, task.question, [(text, res) for text, _, res in turns], system_prompt,
+                          mem_prefix, rounds)
+    if mem_answer > 0 and rng is not None:
+        prompt_ids = encode_chat(tokenizer, prepare_prompt([Record("prompt", task.question)], system_prompt))
+        rows, k = [], 0
+        for t, (text, _, _) in enumerate(turns):
+            if rounds is not None and t not in rounds:
+                continue
+            rows.append(out[k])
+            k += 1
+            if t > 0 and rng.random() < mem_answer:
+                mem = extract_mem(text)
+                ctx2 = prompt_ids + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False)
+                answer = f"<think> answer </think> <answer> {data.answers_from_mem(task, mem)} </answer>"
+                rows.append(Sample(ctx2 + tokenizer.encode(answer, add_special_tokens=False), len(ctx2)))
+        out = rows
+    return out
+
+
+def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rng: random.Random, p: float,
+                  system_prompt: str = data.SYSTEM_PROMPT, rounds: set[int] | None = None,
+                  context: str = "snail", think: str = data.PROBE, turns: list | None = None) -> list[Sample]:
+    """Probe rows: teach the policy to answer from BOTH contexts the memory reward scores (issue 13).
+
+    For each expert round t >= 2 (``rounds`` of them; with probability ``p``) two rows, so neither probe is
+    favoured: ``full_traj`` (the round's context as the agent saw it, no forced prefix) -> the answers that
+    context holds (``data.context_answers``), and ``mem_traj`` (prompt + the round's ``<mem>``) -> the
+    answers that memory holds (``data.answers_from_mem``); ``unknown`` where there is none. Both end in
+    the reward's own template ``<think> probe </think> <answer> a1 ; a2 </answer>``; the loss starts at the
+    first answer word, so the marker (``<think> probe``) is never learnt as an output: the policy's own
+    choice after ``</mem>`` (search or answer) gets no gradient from these rows and it does not learn to
+    stop early (what ``--sft-mem-answer`` rows, which do train ``<think> answer``, did). ``turns``: as in
+    ``expert_samples``.
+    """
+    turns = turns if turns is not None else expert_turns(task, tool, forget)
+    episode = [(text, q) for text, q, _ in turns]
+    prompt_ids = encode_chat(tokenizer, prepare_prompt([Record("prompt", task.question)], system_prompt))
+    out = []
+    for t, text, records in episode_records(task.question, [(text, res) for text, _, res in turns]):
+        if t >= 1 and (rounds is None or t in rounds) and rng.random() < p:
+            ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None if context == "full" else 1))
+            mem_ctx = prompt_ids + tokenizer.encode(f"<mem> {extract_mem(text)} </mem>", add_special_tokens=False)
+            for c, answer in ((ctx, data.context_answers(task, episode, t, context)),
+                              (mem_ctx, data.answers_from_mem(task, extract_mem(text)))):
+                ids, words = answer_template(tokenizer, [[a] for a in answer.split(" ; ")], think)
+                first = next(j for j, w in enumerate(words) if w)
+                out.append(Sample(c + ids, len(c) + first))
+    return out
+
+
+def file_batch(tokenizer, cfg, step: int, trajectories: list[dict], system_prompt: str) -> list[Sample]:
+    """A batch of ``cfg.sft_batch`` rounds from a chat-format trajectory file (``--sft-data``): 4 rounds an episode."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    out: list[Sample] = []
+    while len(out) < cfg.sft_batch:
+        tr = rng.choice(trajectories)
+        keep = set(rng.sample(range(len(tr["rounds"])), min(len(tr["rounds"]), 4)))
+        out += episode_samples(tokenizer, tr["question"], tr["rounds"], system_prompt, keep=keep,
+                               context=cfg.train_context)
+    return out[: cfg.sft_batch]
+
+
+def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT) -> list[Sample]:
+    """A batch of ``cfg.sft_batch`` expert rounds from a world drawn for this step only."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    world = data.make_world(rng.randrange(10**9))
+    tool = SearchTool(world.docs)
+    ks, hops = data.int_range(cfg.sft_objectives), data.int_range(cfg.hops)
+    # curriculum: one objective first (short contexts, where copying is learnt), all K by 40% of steps
+    ks = ks[: max(1, round(len(ks) * (step - cfg.sft_copy_steps) / (0.4 * cfg.sft_steps)))]
+    out: list[Sample] = []
+    probes: list[Sample] = []
+    while len(out) < cfg.sft_batch:
+        task = data.make_task(world, rng, rng.choice(ks), (hops[0], hops[-1]))
+        n_rounds = len(data.expert_episode(task))                        # the same count with or without forgetting
+        keep = set(rng.sample(range(n_rounds), min(n_rounds, 4)))        # a few rounds per episode: more episodes
+        forget = rng.random() < cfg.forget_p
+        turns = expert_turns(task, tool, forget)                         # searched once for both kinds of row
+        out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt,
+                              mem_answer=cfg.sft_mem_answer, rng=rng, rounds=keep, turns=turns)
+        if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay
+            probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, system_prompt, rounds=keep,
+                                    context=cfg.train_context, think=cfg.probe_think, turns=turns)
+    return out[: cfg.sft_batch] + probes
+
+
+def copy_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT) -> list[Sample]:
+    """Warm-up rows: a random question -> its objectives copied as ``<mem>`` entries.
+
+    A tiny model learns to copy a name from its context only after a long loss plateau. On these
+    short rows the default 3-layer model sat at loss 0.46 until step ~650 and copied exactly (loss
+    0.02) by step ~900, at 0.17 s a step; on expert episodes the same plateau costs 0.3 s a step and
+    its end varied from step ~850 to ~1350 between two runs. (The expert episodes still need slots
+    in the question and memory to be learnt: see data.py.)
+    """
+    rng = random.Random(cfg.seed * 3_000_017 + step)
+    names = data.name_pool()
+    out = []
+    for _ in range(cfg.sft_batch):
+        chains = [[rng.choice(names)] + [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))]
+                  for _ in range(rng.randint(1, 4))]
+        question = data.format_question(chains)
+        ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], system_prompt))
+        mem = data.format_mem({k: data.open_path(c) for k, c in enumerate(chains)})
+        out.append(Sample(ctx + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False), len(ctx)))
+    return out
+
+
+def sft_loss(model, batch: dict[str, torch.Tensor], n_tokens: float) -> torch.Tensor:
+    """Next-token cross entropy summed over policy tokens (loss mask 1), divided by the whole batch's count."""
+    logits = model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits[:, :-1].float()
+    target, mask = batch["ids"][:, 1:], batch["loss_mask"][:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
+                                            reduction="none").view_as(mask)
+    return (nll * mask).sum() / n_tokens
+
+
+# --------------------------------------------------------------------------- the one SFT loop
+
+def cosine_lr(base: float, step: int, total: int, warmup: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then a cosine from ``base`` to 0 at step ``total``."""
+    return base * (min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total)))
+
+
+def run_sft(model, optimizer, batch, steps: range, lr, cfg, pad_id: int, on_step, desc: str = "sft") -> None:
+    """Supervised steps ``steps``: ``batch(step)`` -> rows, ``lr(step)`` -> the step's learning rate, and
+    ``on_step(step, loss, grad_norm, seconds)`` after each optimizer step. ``cfg`` gives ``micro_tokens``,
+    ``grad_clip`` and ``precision``. Under torchrun each rank takes every W-th row of the (same) batch."""
+    model.train()
+    train_model = dist.update_module(model)
+    for step in tqdm(steps, desc=desc, initial=steps.start, total=steps.stop, disable=dist.DIST.rank > 0):
+        for g in optimizer.param_groups:
+            g["lr"] = lr(step)
+        t0 = time.time()
+        samples = batch(step)
+        n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))     # every rank builds the whole batch
+        samples = samples[dist.DIST.rank::dist.DIST.world]                    # torchrun: this rank's rows
+        optimizer.zero_grad(set_to_none=True)
+        loss = 0.0
+        batches = dist.even_micro_batches(micro_batches(samples, cfg.micro_tokens), pad_id)
+        for bi, mb in enumerate(batches):          # sorted by length: little padding
+            with dist.grad_sync(model, bi == len(batches) - 1):
+                with autocast(cfg.precision, model.device):
+                    part = sft_loss(train_model, collate(mb, pad_id, model.device), n_tokens)
+                (part * dist.DIST.world).backward()     # DDP / FSDP2 average over ranks
+            loss += part.item()
+        loss = dist.all_sum([loss])[0]
+        gn = dist.grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        optimizer.step()
+        on_step(step, loss, gn.item(), time.time() - t0)
+
+
+# --------------------------------------------------------------------------- MemPO's cold start
+
+def held_out_f1(model, tokenizer, k: int, n: int, seed: int, split: str, system_prompt: str) -> float:
+    """Mean F1 of greedy episodes on ``n`` held-out K-objective questions (eval.py's agent and batches)."""
+    world, tasks = data.held_out_tasks(k, n, seed, split)
+    agent = AgentConfig(system_prompt=system_prompt, max_turns=64, max_new_tokens=128, temperature=0.0)
+    trajs = run_episodes(model, tokenizer, tasks, SearchTool(world.docs), agent)
+    return sum(outcome_reward(t)["f1"] for t in trajs) / len(trajs)
+
+
+def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, ckpt: str,
+               system_prompt: str = data.SYSTEM_PROMPT, trajectories: list[dict] | None = None) -> None:
+    """MemPO's SFT stage from step ``start``: copy rows, then expert + probe rows (or ``--sft-data`` rows);
+    a row of metrics every 50 steps (+ ``val_f1_k2`` every 500 with ``--eval-every``), a checkpoint every
+    ``--sft-save-every``, and the result in ``RUN/sft``. ``cfg``: train.Config."""
+    def batch(step: int) -> list[Sample]:
+        if trajectories is not None:
+            return file_batch(tokenizer, cfg, step, trajectories, system_prompt)
+        if step < cfg.sft_copy_steps:
+            return copy_batch(tokenizer, cfg, step, system_prompt)
+        return sft_batch(tokenizer, cfg, step, system_prompt)
+
+    lr = lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)
+    state = lambda step: {"stage": "sft", "step": step, "precision": cfg.precision}
+
+    def on_step(step: int, loss: float, gn: float, sec: float) -> None:
+        if step % 50 == 0 or step == cfg.sft_steps - 1:
+            row = {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn, "lr": lr(step), "sec": sec}
+            if cfg.eval_every and not cfg.model and (step % 500 == 0 or step == cfg.sft_steps - 1):  # under 1 s once good
+                model.eval()
+                with dist.full_weights(model):
+                    if dist.DIST.rank == 0:
+                        row["val_f1_k2"] = held_out_f1(model, tokenizer, 2, cfg.eval_tasks, cfg.seed, "valid",
+                                                       system_prompt)
+                model.train()
+            log_jsonl(metrics_path, row)
+        if (step + 1) % cfg.sft_save_every == 0 and step + 1 < cfg.sft_steps:
+            save_checkpoint(ckpt, model, tokenizer, optimizer, state(step + 1), system_prompt)
+
+    run_sft(model, optimizer, batch, range(start, cfg.sft_steps), lr, cfg, tokenizer.pad_token_id, on_step)
+    save_checkpoint(os.path.join(cfg.run, "sft"), model, tokenizer, None, state(cfg.sft_steps), system_prompt)
+
+
+# --------------------------------------------------------------------------- the world as files
+
+def export(folder: str, ks: tuple[int, ...] = (1, 2, 4, 6), n: int = 64, episodes: int = 256, seed: int = 0) -> list[str]:
+    """Write the embedded world as real-format files, so the file path can be run on it.
+
+    ``test_k{K}.jsonl`` (Search-R1 QA: ``question``, ``golden_answers`` as K alias lists) and
+    ``corpus_k{K}.jsonl`` (wiki-18: ``id``, ``contents``) hold exactly the held-out test set of ``eval.py``
+    (same worlds, same questions); ``sft_trajectories.jsonl`` holds ``episodes`` expert episodes (one in
+    four with the forgetting flaw, as ``--forget-p 0.25``; K 1-4, 1-3 hops, training worlds) as
+    chat-format ``messages``.
+    """
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for k in ks:
+        world, tasks = data.held_out_tasks(k, n)
+        paths += [os.path.join(folder, f"test_k{k}.jsonl"), os.path.join(folder, f"corpus_k{k}.jsonl")]
+        with open(paths[-2], "w", encoding="utf-8") as f:
+            for t in tasks:
+                f.write(json.dumps({"question": t.question, "golden_answers": t.golds}) + "\n")
+        data.save_corpus(world.docs, paths[-1])
+    rng = random.Random(seed)
+    paths.append(os.path.join(folder, "sft_trajectories.jsonl"))
+    with open(paths[-1], "w", encoding="utf-8") as f:
+        for e in range(episodes):
+            world = data.make_world(rng.randrange(10**9))
+            tool, task = SearchTool(world.docs), data.make_task(world, rng, rng.randint(1, 4))
+            msgs = [{"role": "system", "content": data.SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
+            for text, query in data.expert_episode(task, forget=e % 4 == 3):
+                msgs.append({"role": "assistant", "content": text})
+                if query is not None:
+                    msgs.append({"role": "tool", "content": tool.search(" ".join(query))})
+            f.write(json.dumps({"messages": msgs, "golden_answers": task.golds}) + "\n")
+    return paths
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="Write the embedded world as real-format files.")
+    p.add_argument("--export", required=True, metavar="DIR", help="folder for test_k*.jsonl, corpus_k*.jsonl, "
+                   "sft_trajectories.jsonl")
+    p.add_argument("--objectives", type=int, nargs="+", default=[1, 2, 4, 6], help="objective counts K")
+    p.add_argument("--tasks", type=int, default=64, help="test questions per K")
+    p.add_argument("--episodes", type=int, default=256, help="expert trajectories")
+    a = p.parse_args()
+    print("\n".join(export(a.export, tuple(a.objectives), a.tasks, a.episodes)))
