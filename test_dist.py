@@ -14,6 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 import data
+import dist
+import grpo
 import train
 from rollout import AgentConfig, SearchTool
 
@@ -39,7 +41,7 @@ def samples(seed=0, n=7):
     for i in range(n):
         L = int(torch.randint(8, 20, (1,), generator=g))
         ids = torch.randint(5, 200, (L,), generator=g).tolist()
-        out.append(train.Sample(ids, 5, mem_end=3, n_prefix=1, adv_t=(-1.0) ** i * (1 + i / 7), adv_m=0.5 * (-1.0) ** (i // 2)))
+        out.append(grpo.Sample(ids, 5, mem_end=3, n_prefix=1, adv_t=(-1.0) ** i * (1 + i / 7), adv_m=0.5 * (-1.0) ** (i // 2)))
     return out
 
 
@@ -53,7 +55,7 @@ def tiny_model(tok):
 
 
 def full_params(model) -> dict:
-    sd, _ = train.full_state(model, None)
+    sd, _ = dist.full_state(model, None)
     return {k: v.detach().clone() for k, v in (sd if sd is not None else model.state_dict()).items()}
 
 
@@ -73,32 +75,32 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     cfg = train.parse_args(UPDATE_ARGS + ROLLOUT_ARGS + TINY + ["--device", "cpu"])
-    train.setup_distributed(cfg)
+    dist.setup_distributed(cfg)
     tok = data.build_tokenizer()
     res = {}
     for mode in ("ddp", "fsdp"):
-        train.DIST.fsdp, train.DIST.ddp = mode == "fsdp", None
+        dist.DIST.fsdp, dist.DIST.ddp = mode == "fsdp", None
         for agg in ("token-mean", "seq-mean-token-mean"):
-            model = train.wrap_for_training(tiny_model(tok), torch.device("cpu"))
+            model = dist.wrap_for_training(tiny_model(tok), torch.device("cpu"))
             c = train.parse_args(UPDATE_ARGS + ["--agg", agg])
             m = train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=c.lr), split(samples(), rank),
                                  c, tok.pad_token_id)
             res[(mode, agg)] = (full_params(model), m)
     # FSDP2 AdamW: the gathered optimizer state, in the single-process format, and loaded back
-    model = train.wrap_for_training(tiny_model(tok), torch.device("cpu"))
+    model = dist.wrap_for_training(tiny_model(tok), torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     train.ppo_update(model, None, opt, split(samples(), rank), train.parse_args(UPDATE_ARGS), tok.pad_token_id)
-    _, osd = train.full_state(model, opt)
-    import torch.distributed as dist
+    _, osd = dist.full_state(model, opt)
+    import torch.distributed as tdist
     whole = [osd]
-    dist.broadcast_object_list(whole, 0)          # only rank 0 gathered it; every rank loads the file
+    tdist.broadcast_object_list(whole, 0)          # only rank 0 gathered it; every rank loads the file
     opt2 = torch.optim.AdamW(model.parameters(), lr=0.1)
-    train.load_optimizer(model, opt2, whole[0])
-    _, osd2 = train.full_state(model, opt2)
+    dist.load_optimizer(model, opt2, whole[0])
+    _, osd2 = dist.full_state(model, opt2)
     res["adam"] = (osd, osd2)
     # a non-finite loss on rank 1 only: every rank skips the step, no weight moves
-    train.DIST.fsdp, train.DIST.ddp = False, None
-    model = train.wrap_for_training(tiny_model(tok), torch.device("cpu"))
+    dist.DIST.fsdp, dist.DIST.ddp = False, None
+    model = dist.wrap_for_training(tiny_model(tok), torch.device("cpu"))
     before = [p.detach().clone() for p in model.parameters()]
     bad = split(samples(), rank)
     if rank == 1:
@@ -109,22 +111,22 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         torch.equal(a, b) for a, b in zip(before, model.parameters()))
     # an exception on rank 1 in the collective-free phase: rank 0 stops too, naming it (no hang)
     try:
-        with train.all_ranks_or_none("test phase"):
+        with dist.all_ranks_or_none("test phase"):
             if rank == 1:
                 raise KeyError("bad batch")
         res["error"] = "none"
     except Exception as e:
         res["error"] = repr(e)
     # rollouts: this rank's share of a step's questions, seeded per question
-    train.DIST.fsdp = False
+    dist.DIST.fsdp = False
     model = tiny_model(tok).eval()
     tasks, tool = train.rl_tasks(cfg, step=3)
-    share = train.my_questions(len(tasks))
+    share = dist.my_questions(len(tasks))
     agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens)
     trajs = train.rollout_share(model, tok, tasks[share.start:share.stop], share.start, cfg, 3, tool, agent)
     res["rollouts"] = [(t.group_id, t.question, [r.round_ids for r in t.rounds]) for t in trajs]
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    tdist.destroy_process_group()
 
 
 def test_two_ranks_update_and_rollouts_equal_one_process(tmp_path):
@@ -171,14 +173,14 @@ def test_two_ranks_update_and_rollouts_equal_one_process(tmp_path):
 
 
 def test_uneven_question_split_fails_clearly():
-    train.DIST = train.Dist(True, 0, 3)
+    dist.DIST = dist.Dist(True, 0, 3)
     try:
         import pytest
         with pytest.raises(ValueError, match="cannot be split evenly over 3 ranks"):
-            train.my_questions(8)
-        assert train.my_questions(9) == range(0, 3)
+            dist.my_questions(8)
+        assert dist.my_questions(9) == range(0, 3)
     finally:
-        train.DIST = train.Dist()
+        dist.DIST = dist.Dist()
 
 
 # --------------------------------------------------------------------------- torchrun, kill, resume

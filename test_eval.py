@@ -71,7 +71,8 @@ def test_compare_two_variants_over_seeds_and_plots(sft_run, tmp_path):
     assert set(res) == {"a", "b"} and set(res["a"]) == {1, 2, "by_ago"}
     f1, ci = res["a"][2]["f1"]
     assert ci == 0.0                                      # the same run twice: no spread
-    from eval import embedded_tasks, greedy_agent, load, run_episodes
+    from eval import embedded_tasks, greedy_agent, load
+    from rollout import run_episodes
     model, tok, _ = load(run, torch.device("cpu"))
     tasks, tool = embedded_tasks(2, 3, 0, "valid", (1, 1))
     trajs = run_episodes(model, tok, tasks, tool, greedy_agent("snail", 6))

@@ -1,11 +1,26 @@
 """Mem-alpha (ALGORITHM.md section 2): structured memory, tool-call parser, rewards, task, loop, training."""
+import copy
 import json
 import random
+import re
 import shutil
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from memory import TRUNCATED, StructuredMemory
+import data
+from checkpoint import save_checkpoint
+from grpo import collate
+from recipes import memalpha, memalpha_data, memalpha_eval
+from recipes.memalpha import (WriterConfig, content_valid, memalpha_reward, memalpha_rollout, r1_accuracy,
+                              r2_call_success, r3_compression, r4_validity)
+from recipes.memalpha_memory import (TOOL_ARGS, TRUNCATED, StructuredMemory, ToolCall, answerer_messages,
+                                     execute_tool_calls, parse_tool_calls, tool_call_text, writer_messages)
+from reward import em_score
+from rollout import encode_chat
+from sft import sft_loss
+
 
 
 # --------------------------------------------------------------------------- structured memory
@@ -108,8 +123,6 @@ def test_render_with_no_query_shows_newest_only():
 
 # --------------------------------------------------------------------------- tool calls
 
-from memory import TOOL_ARGS, tool_call_text  # noqa: E402
-from rollout import ToolCall, execute_tool_calls, parse_tool_calls  # noqa: E402
 
 INSERT = tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "kalo boss mira"})
 
@@ -231,11 +244,7 @@ def test_execute_in_order_against_memory():
 
 # --------------------------------------------------------------------------- rewards
 
-import torch  # noqa: E402
 
-import data  # noqa: E402
-from reward import (content_valid, em_score, memalpha_reward, r1_accuracy, r2_call_success,  # noqa: E402
-                    r3_compression, r4_validity)
 
 
 def test_r2_r3_hand_computed():
@@ -276,8 +285,6 @@ def test_memalpha_reward_weights():
 
 
 def test_r1_batched_equals_naive_per_question():
-    from memory import answerer_messages
-    from rollout import encode_chat
     tok = data.build_bpe_tokenizer(vocab_size=300)
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
     mems = [StructuredMemory(seed=0), StructuredMemory(seed=1)]
@@ -298,14 +305,12 @@ def test_r1_batched_equals_naive_per_question():
 
 # --------------------------------------------------------------------------- the memorisation task
 
-import re  # noqa: E402
 
-from memory import answerer_messages  # noqa: E402
 
 
 def test_instances_deterministic_dated_and_with_change_questions():
-    a = data.make_memalpha_instances(3, 20, seed=1)
-    b = data.make_memalpha_instances(3, 20, seed=1)
+    a = memalpha_data.make_memalpha_instances(3, 20, seed=1)
+    b = memalpha_data.make_memalpha_instances(3, 20, seed=1)
     assert [c.text for i in a for c in i.chunks] == [c.text for i in b for c in i.chunks]
     assert [i.questions for i in a] == [i.questions for i in b]
     for inst in a:
@@ -322,22 +327,22 @@ def test_instances_deterministic_dated_and_with_change_questions():
 
 
 def test_hand_made_chunk_and_writer_calls():
-    chunk = data.Chunk("day 4 : kalo boss mira .", 4, [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")])
+    chunk = memalpha_data.Chunk("day 4 : kalo boss mira .", 4, [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")])
     mem = StructuredMemory(seed=0)
-    text = data.writer_calls(mem, chunk)
+    text = memalpha_data.writer_calls(mem, chunk)
     calls = parse_tool_calls(text)
     assert [(c.name, c.error) for c in calls] == [("new_memory_insert", None)] * 2 + [("memory_update", None)]
     assert list(mem.stores["semantic"].values()) == ["kalo boss mira"]
     assert list(mem.stores["episodic"].values()) == ["on day 4 kalo met tebo"]
     assert mem.core == "latest report day 4"
     sid = list(mem.stores["semantic"])[0]
-    change = data.Chunk("day 6 : kalo boss is now puni . lapu boss ended .", 6,
+    change = memalpha_data.Chunk("day 6 : kalo boss is now puni . lapu boss ended .", 6,
                         [("change", "kalo", "boss", "puni"), ("end", "lapu", "boss", "")])
     replay = StructuredMemory(seed=0)
     assert [ok for ok, _ in execute_tool_calls(replay, parse_tool_calls(text))] == [True, True, True]
-    text2 = data.writer_calls(mem, change)
+    text2 = memalpha_data.writer_calls(mem, change)
     assert f'"memory_id": "{sid}"' in text2 and mem.stores["semantic"] == {sid: "kalo boss puni"}
-    assert data.writer_calls(StructuredMemory(), change, flawed=True).count("<tool_call>") == 1   # core only
+    assert memalpha_data.writer_calls(StructuredMemory(), change, flawed=True).count("<tool_call>") == 1   # core only
     # replaying the writer's text through the parser reproduces its memory exactly
     execute_tool_calls(replay, parse_tool_calls(text2))
     assert replay.stores == mem.stores and replay.core == "latest report day 6"
@@ -347,14 +352,14 @@ def _final_memory(inst, flawed):
     mem = StructuredMemory(seed=0)
     for c in inst.chunks:
         view = mem.render(c.text)
-        out = data.writer_calls(mem, c, flawed)
+        out = memalpha_data.writer_calls(mem, c, flawed)
         for i in re.findall(r'"memory_id": "(\w+)"', out):
             assert f"[{i}]" in view                           # every id the writer uses is in its prompt
     return mem
 
 
 def test_perfect_writer_answers_everything_and_the_flaw_fails_changes():
-    insts = data.make_memalpha_instances(5, 60, seed=0)
+    insts = memalpha_data.make_memalpha_instances(5, 60, seed=0)
     right = {False: 0, True: 0}
     n_change = 0
     for inst in insts:
@@ -362,7 +367,7 @@ def test_perfect_writer_answers_everything_and_the_flaw_fails_changes():
             mem = _final_memory(inst, flawed)
             for q, gold in inst.questions:
                 view = answerer_messages(mem, q, 3)[1]["content"]
-                right[flawed] += data.memory_answer(view, q) == gold[0]
+                right[flawed] += memalpha_data.memory_answer(view, q) == gold[0]
         n_change += any(r[0] in ("change", "end") for c in inst.chunks for r in c.reports)
     n_q = sum(len(i.questions) for i in insts)
     assert right[False] == n_q
@@ -371,17 +376,17 @@ def test_perfect_writer_answers_everything_and_the_flaw_fails_changes():
 
 def test_memory_answer_reads_only_the_memory():
     view = "core: x y z\nsemantic: kalo boss mira\nepisodic: on day 3 kalo met tebo\nquestion: lapu boss ?"
-    assert data.memory_answer(view, "kalo boss ?") == "mira"
-    assert data.memory_answer(view, "lapu boss ?") == "none"            # not the question line's "?"
-    assert data.memory_answer(view, "when kalo met tebo ?") == "day 3"
-    assert data.memory_answer(view, "when kalo met lapu ?") == "unknown"
+    assert memalpha_data.memory_answer(view, "kalo boss ?") == "mira"
+    assert memalpha_data.memory_answer(view, "lapu boss ?") == "none"            # not the question line's "?"
+    assert memalpha_data.memory_answer(view, "when kalo met tebo ?") == "day 3"
+    assert memalpha_data.memory_answer(view, "when kalo met lapu ?") == "unknown"
 
 
 def test_load_memalpha_and_errors(tmp_path):
     good = tmp_path / "m.jsonl"
     good.write_text(json.dumps({"chunks": ["a b", "c d"], "questions_and_answers": [
         {"question": "q1", "answer": "x"}, {"question": "q2", "answer": ["y", "z"]}]}) + "\n\n")
-    inst = data.load_memalpha(str(good))
+    inst = memalpha_data.load_memalpha(str(good))
     assert [c.text for c in inst[0].chunks] == ["a b", "c d"]
     assert inst[0].questions == [("q1", ["x"]), ("q2", ["y", "z"])]
     bad = tmp_path / "bad.jsonl"
@@ -392,28 +397,27 @@ def test_load_memalpha_and_errors(tmp_path):
     for line, msg in cases:
         bad.write_text(good.read_text().splitlines()[0] + "\n" + line + "\n")
         with pytest.raises(data.DataError, match=re.escape(msg)):
-            data.load_memalpha(str(bad))
+            memalpha_data.load_memalpha(str(bad))
     with pytest.raises(data.DataError, match="file not found"):
-        data.load_memalpha(str(tmp_path / "missing.jsonl"))
+        memalpha_data.load_memalpha(str(tmp_path / "missing.jsonl"))
 
 
 # --------------------------------------------------------------------------- the chunked loop
 
-from rollout import WriterConfig, encode_chat, memalpha_rollout  # noqa: E402
 
 _TOK = {}
 
 
 def bpe():
     if "tok" not in _TOK:
-        _TOK["tok"] = data.build_bpe_tokenizer(data.world_texts(n_worlds=1) + data.memalpha_texts(n=20), 500)
+        _TOK["tok"] = data.build_bpe_tokenizer(data.world_texts(n_worlds=1) + memalpha_data.memalpha_texts(n=20), 500)
     return _TOK["tok"]
 
 
 def test_loop_batched_equals_each_instance_alone_and_contexts_are_fresh():
     tok = bpe()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
-    insts = data.make_memalpha_instances(3, 2, n_chunks=3) + data.make_memalpha_instances(4, 1, n_chunks=2)
+    insts = memalpha_data.make_memalpha_instances(3, 2, n_chunks=3) + memalpha_data.make_memalpha_instances(4, 1, n_chunks=2)
     cfg = WriterConfig(max_new_tokens=12, temperature=0.0)
     both = memalpha_rollout(model, tok, insts, 2, cfg)
     assert [r.group_id for r in both] == [0, 0, 1, 1, 2, 2]
@@ -421,7 +425,6 @@ def test_loop_batched_equals_each_instance_alone_and_contexts_are_fresh():
     for i, inst in enumerate(insts):
         alone = memalpha_rollout(model, tok, [inst], 1, cfg)[0]
         assert [s.output_ids for s in alone.steps] == [s.output_ids for s in both[2 * i].steps]
-    from memory import StructuredMemory, writer_messages
     for r in both:
         for c, s in enumerate(r.steps):
             ctx = tok.decode(s.context_ids)
@@ -433,16 +436,14 @@ def test_loop_batched_equals_each_instance_alone_and_contexts_are_fresh():
 
 # --------------------------------------------------------------------------- training
 
-import copy  # noqa: E402
 
-import train  # noqa: E402
 
 
 def test_one_memalpha_step_changes_weights():
     tok = bpe()
-    cfg = train.MemAlphaConfig(chunks=2, questions_per_instance=2, instances=1, group=4, max_new_tokens=192)
-    inst = train.memalpha_instances(cfg, 11, 1, 0)
-    rows = train.memalpha_expert_samples(tok, inst[0])[:2]          # the writer's two chunk rows
+    cfg = memalpha.MemAlphaConfig(chunks=2, questions_per_instance=2, instances=1, group=4, max_new_tokens=192)
+    inst = memalpha.memalpha_instances(cfg, 11, 1, 0)
+    rows = memalpha.memalpha_expert_samples(tok, inst[0])[:2]          # the writer's two chunk rows
     assert tok.decode(rows[0].ids[rows[0].n_prompt:], skip_special_tokens=True).startswith("<tool_call>{")
     torch.manual_seed(0)
     model = data.build_tiny_model(tok, hidden=64, layers=2, heads=4, ffn=128, seed=0)
@@ -451,11 +452,11 @@ def test_one_memalpha_step_changes_weights():
     n = float(sum(len(r.ids) - r.n_prompt for r in rows))
     for _ in range(150):                                             # overfit the writer so it makes calls
         opt.zero_grad()
-        train.sft_loss(model, train.collate(rows, tok.pad_token_id, "cpu"), n).backward()
+        sft_loss(model, collate(rows, tok.pad_token_id, "cpu"), n).backward()
         opt.step()
     before = copy.deepcopy(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    m = train.memalpha_step(model, copy.deepcopy(model).eval(), tok, opt, cfg, 0, instances=inst)
+    m = memalpha.memalpha_step(model, copy.deepcopy(model).eval(), tok, opt, cfg, 0, instances=inst)
     assert "skipped" not in m and m["calls"] > 0 and 0 < m["r2"] < 1
     assert m["reward"] == pytest.approx(m["r1"] + m["r2"] + 0.05 * m["r3"] + 0.1 * m["r4"])
     assert max((model.state_dict()[k] - before[k]).abs().max().item() for k in before) > 0
@@ -463,60 +464,58 @@ def test_one_memalpha_step_changes_weights():
 
 def test_equal_rewards_give_no_update():
     tok = bpe()
-    cfg = train.MemAlphaConfig(chunks=2, questions_per_instance=2, instances=1, group=2, max_new_tokens=8)
+    cfg = memalpha.MemAlphaConfig(chunks=2, questions_per_instance=2, instances=1, group=2, max_new_tokens=8)
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)   # never writes a call
     before = copy.deepcopy(model.state_dict())
-    m = train.memalpha_step(model, model, tok, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg, 0,
-                            instances=train.memalpha_instances(cfg, 11, 1, 0))
+    m = memalpha.memalpha_step(model, model, tok, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg, 0,
+                            instances=memalpha.memalpha_instances(cfg, 11, 1, 0))
     assert m["skipped"] == "all advantages are zero" and m["reward"] == pytest.approx(0.05)
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
 
 
 # --------------------------------------------------------------------------- evaluation and baselines
 
-import eval as ev  # noqa: E402
 
 
 def test_baseline_windows_and_raw_chunk_teacher():
     chunks = ["day 1 : kalo boss mira . lapu met tebo .", "day 3 : zena friend puni .",
               "day 4 : kalo boss is now tebo .", "day 6 : zena friend ended ."]
     words = lambda s: len(s.split())
-    assert ev.long_context_chunks(chunks, words, 16) == chunks[2:]      # 7 + 9 words fit
-    assert ev.long_context_chunks(chunks, words, 15) == chunks[3:]      # the 9-word chunk does not
-    assert ev.long_context_chunks(chunks, words, 6) == []
-    assert ev.rag_chunks(chunks, "kalo boss ?", 2) == [chunks[0], chunks[2]]
-    assert data.chunks_answer(chunks, "kalo boss ?") == "tebo"
-    assert data.chunks_answer(chunks[:2], "kalo boss ?") == "mira"
-    assert data.chunks_answer(chunks, "zena friend ?") == "none"
-    assert data.chunks_answer(chunks[2:], "lapu met tebo ?") == "none"
-    assert data.chunks_answer(chunks, "when lapu met tebo ?") == "day 1"
-    assert data.chunks_answer(chunks[1:], "when lapu met tebo ?") == "unknown"
+    assert memalpha_data.long_context_chunks(chunks, words, 16) == chunks[2:]      # 7 + 9 words fit
+    assert memalpha_data.long_context_chunks(chunks, words, 15) == chunks[3:]      # the 9-word chunk does not
+    assert memalpha_data.long_context_chunks(chunks, words, 6) == []
+    assert memalpha_data.rag_chunks(chunks, "kalo boss ?", 2) == [chunks[0], chunks[2]]
+    assert memalpha_data.chunks_answer(chunks, "kalo boss ?") == "tebo"
+    assert memalpha_data.chunks_answer(chunks[:2], "kalo boss ?") == "mira"
+    assert memalpha_data.chunks_answer(chunks, "zena friend ?") == "none"
+    assert memalpha_data.chunks_answer(chunks[2:], "lapu met tebo ?") == "none"
+    assert memalpha_data.chunks_answer(chunks, "when lapu met tebo ?") == "day 1"
+    assert memalpha_data.chunks_answer(chunks[1:], "when lapu met tebo ?") == "unknown"
     # the teacher agrees with the gold on the whole stream
-    for inst in data.make_memalpha_instances(6, 40):
+    for inst in memalpha_data.make_memalpha_instances(6, 40):
         for q, g in inst.questions:
-            assert data.chunks_answer([c.text for c in inst.chunks], q) == g[0]
+            assert memalpha_data.chunks_answer([c.text for c in inst.chunks], q) == g[0]
 
 
 def test_evaluate_memalpha_runs_all_three_methods():
     tok = bpe()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
-    insts = data.make_memalpha_instances(20_000, 2, n_chunks=2)
-    res = ev.evaluate_memalpha(model, model, tok, insts, max_new_tokens=8)
+    insts = memalpha_data.make_memalpha_instances(20_000, 2, n_chunks=2)
+    res = memalpha_eval.evaluate_memalpha(model, model, tok, insts, max_new_tokens=8)
     assert set(res) == {"memalpha", "long_context", "rag_top2"}
     n_q = sum(len(i.questions) for i in insts)
     assert all(r["questions"] == n_q for r in res.values())
     count = lambda s: len(tok.encode(s))
     assert res["rag_top2"]["memory_tokens"] == sum(count(c.text) for i in insts for c in i.chunks) / 2
     assert res["memalpha"]["memory_tokens"] == 0 and res["memalpha"]["tool_success"] == 0.0   # never calls
-    with_ceiling = ev.evaluate_memalpha(model, model, tok, insts, max_new_tokens=8, scripted=True)
+    with_ceiling = memalpha_eval.evaluate_memalpha(model, model, tok, insts, max_new_tokens=8, scripted=True)
     assert {m: r["accuracy"] for m, r in with_ceiling.items() if m != "scripted"} == \
         {m: r["accuracy"] for m, r in res.items()}
-    from memory import StructuredMemory
     sizes = []
     for inst in insts:                                  # naive reference: the teacher's memory, token-counted
         mem = StructuredMemory(512, count, seed=0)
         for c in inst.chunks:
-            data.writer_calls(mem, c)
+            memalpha_data.writer_calls(mem, c)
         sizes.append(sum(count(x) for x in [mem.core] + [t for _, t in mem.entries("semantic") + mem.entries("episodic")]))
     assert with_ceiling["scripted"]["memory_tokens"] == sum(sizes) / 2 > 0
     assert with_ceiling["scripted"]["questions"] == n_q
@@ -524,23 +523,23 @@ def test_evaluate_memalpha_runs_all_three_methods():
 
 def test_sft_batches_copy_phase_then_all_rows():
     tok = bpe()
-    cfg = train.MemAlphaConfig(sft_batch=8, sft_copy_steps=2, chunks=3)
-    copy_rows = train.memalpha_sft_batch(tok, cfg, 1)
+    cfg = memalpha.MemAlphaConfig(sft_batch=8, sft_copy_steps=2, chunks=3)
+    copy_rows = memalpha.memalpha_sft_batch(tok, cfg, 1)
     assert len(copy_rows) == 8
     for r in copy_rows:                               # first chunks only: empty memory, a writer target
         ctx = tok.decode(r.ids[:r.n_prompt])
         assert "core: (empty)\nsemantic:\nepisodic:<|im_end|>" in ctx
         assert tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True).startswith("<tool_call>")
-    rows = train.memalpha_sft_batch(tok, cfg, 2)
+    rows = memalpha.memalpha_sft_batch(tok, cfg, 2)
     targets = [tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True) for r in rows]
     assert len(rows) == 8 and any(not t.startswith("<tool_call>") for t in targets)   # answerer rows too
-    assert train.memalpha_sft_batch(tok, cfg, 2)[0].ids == rows[0].ids              # deterministic per step
+    assert memalpha.memalpha_sft_batch(tok, cfg, 2)[0].ids == rows[0].ids              # deterministic per step
 
 
 # --------------------------------------------------------------------------- the word-level tokenizer
 
 def test_word_tokenizer_names_are_one_token_in_the_chunk_and_in_the_json():
-    tok = data.build_memalpha_tokenizer()
+    tok = memalpha_data.build_memalpha_tokenizer()
     chunk = "day 3 : pigo mother bufa ."
     call = tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "pigo mother bufa"})
     pieces = lambda s: [tok.decode([i]) for i in tok.encode(s, add_special_tokens=False)]
@@ -556,11 +555,10 @@ def test_word_tokenizer_names_are_one_token_in_the_chunk_and_in_the_json():
 
 
 def test_word_tokenizer_round_trips_every_text_of_the_task_and_saves(tmp_path):
-    from transformers import AutoTokenizer
-    tok = data.build_memalpha_tokenizer()
-    texts = data.memalpha_texts(n=10) + ['{"name": "memory_delete"} ~!@#$%^&*()\n\t[x] <tool_call>{"name": "']
+    tok = memalpha_data.build_memalpha_tokenizer()
+    texts = memalpha_data.memalpha_texts(n=10) + ['{"name": "memory_delete"} ~!@#$%^&*()\n\t[x] <tool_call>{"name": "']
     rng = random.Random(0)                   # fuzz: words, glue and characters with and without spaces
-    pool = data.memalpha_words() + data.TOOL_JSON_GLUE + list(' .:[]"{}\nab0_')
+    pool = memalpha_data.memalpha_words() + memalpha_data.TOOL_JSON_GLUE + list(' .:[]"{}\nab0_')
     texts += ["".join(rng.choice(pool) + rng.choice(["", " ", "  "]) for _ in range(rng.randint(1, 12)))
               for _ in range(500)]
     for t in texts:
@@ -571,41 +569,40 @@ def test_word_tokenizer_round_trips_every_text_of_the_task_and_saves(tmp_path):
     msgs = [{"role": "user", "content": texts[0]}]
     assert encode_chat(again, msgs) == encode_chat(tok, msgs)
     assert again.eos_token == "<|im_end|>" and tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
-    assert train.memalpha_tokenizer(kind="word").get_vocab() == tok.get_vocab()
+    assert memalpha.memalpha_tokenizer(kind="word").get_vocab() == tok.get_vocab()
     with pytest.raises(ValueError):
-        train.memalpha_tokenizer(kind="chars")
+        memalpha.memalpha_tokenizer(kind="chars")
 
 
 # --------------------------------------------------------------------------- checkpoint / resume
 
-def _tiny_run(path, **kw) -> "train.MemAlphaConfig":
-    return train.MemAlphaConfig(run=str(path), device="cpu", hidden=32, layers=1, heads=2, ffn=64, chunks=2,
+def _tiny_run(path, **kw) -> "memalpha.MemAlphaConfig":
+    return memalpha.MemAlphaConfig(run=str(path), device="cpu", hidden=32, layers=1, heads=2, ffn=64, chunks=2,
                                 questions_per_instance=2, sft_steps=4, sft_copy_steps=1, sft_batch=4, rl_steps=3,
                                 instances=1, group=2, max_new_tokens=48, ckpt_every=2, **kw)
 
 
 def _weights(path) -> dict:
-    from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path).state_dict()
 
 
 def _overfit_start(path) -> None:
     """A run folder whose SFT has just ended (RUN/sft + RUN/ckpt at RL step 0), holding a writer overfit on
     two scripted rows so that its rollouts make calls and GRPO steps really update."""
-    tok = data.build_memalpha_tokenizer()
+    tok = memalpha_data.build_memalpha_tokenizer()
     cfg = _tiny_run(path)
-    rows = train.memalpha_expert_samples(tok, train.memalpha_instances(cfg, 11, 1, 0)[0])[:2]
+    rows = memalpha.memalpha_expert_samples(tok, memalpha.memalpha_instances(cfg, 11, 1, 0)[0])[:2]
     torch.manual_seed(0)
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     n = float(sum(len(r.ids) - r.n_prompt for r in rows))
     for _ in range(60):
         opt.zero_grad()
-        train.sft_loss(model, train.collate(rows, tok.pad_token_id, "cpu"), n).backward()
+        sft_loss(model, collate(rows, tok.pad_token_id, "cpu"), n).backward()
         opt.step()
     model.save_pretrained(path / "sft")
     tok.save_pretrained(path / "sft")
-    train.save_checkpoint(str(path / "ckpt"), model, tok, None, {"stage": "rl", "step": 0}, "")
+    save_checkpoint(str(path / "ckpt"), model, tok, None, {"stage": "rl", "step": 0}, "")
 
 
 @pytest.mark.parametrize("kill_stage, kill_step", [("sft", 3), ("rl", 2)])
@@ -614,28 +611,28 @@ def test_killed_memalpha_run_resumes_to_the_uninterrupted_result(tmp_path, monke
     if rl:                                              # both runs start where SFT ended, from one writer
         _overfit_start(tmp_path / "whole")
         shutil.copytree(tmp_path / "whole", tmp_path / "cut")
-    train.run_memalpha(_tiny_run(tmp_path / "whole", resume=rl))
+    memalpha.run_memalpha(_tiny_run(tmp_path / "whole", resume=rl))
     whole = _weights(tmp_path / "whole" / "final")
     full = [json.loads(x) for x in open(tmp_path / "whole" / "metrics.jsonl")]
     if rl:
         assert sum("skipped" not in r for r in full) >= 2      # GRPO steps that changed the weights
-    real = {"sft": train.memalpha_sft_batch, "rl": train.memalpha_step}[kill_stage]
+    real = {"sft": memalpha.memalpha_sft_batch, "rl": memalpha.memalpha_step}[kill_stage]
 
     def killed(*args):
         if args[-1] == kill_step:                       # the step argument: the process dies here
             raise KeyboardInterrupt
         return real(*args)
-    monkeypatch.setattr(train, real.__name__, killed)
+    monkeypatch.setattr(memalpha, real.__name__, killed)
     with pytest.raises(KeyboardInterrupt):
-        train.run_memalpha(_tiny_run(tmp_path / "cut", resume=rl))
+        memalpha.run_memalpha(_tiny_run(tmp_path / "cut", resume=rl))
     saved = torch.load(tmp_path / "cut" / "ckpt" / "trainer.pt", weights_only=False)["state"]
     assert saved == {"stage": kill_stage, "step": 2}     # ckpt_every 2: the last checkpoint before the kill
     with pytest.raises(SystemExit):                     # a run folder is never reused without --resume
-        train.run_memalpha(_tiny_run(tmp_path / "cut"))
-    monkeypatch.setattr(train, real.__name__, real)
-    train.run_memalpha(_tiny_run(tmp_path / "cut", resume=True))
+        memalpha.run_memalpha(_tiny_run(tmp_path / "cut"))
+    monkeypatch.setattr(memalpha, real.__name__, real)
+    memalpha.run_memalpha(_tiny_run(tmp_path / "cut", resume=True))
     cut = _weights(tmp_path / "cut" / "final")
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
     rows = [json.loads(x) for x in open(tmp_path / "cut" / "metrics.jsonl")]
     assert [(r["stage"], r["step"]) for r in rows] == [(r["stage"], r["step"]) for r in full]   # no row twice
-    assert train.parse_memalpha_args(["--resume"]).resume and not train.parse_memalpha_args([]).resume
+    assert memalpha.parse_args(["--resume"]).resume and not memalpha.parse_args([]).resume

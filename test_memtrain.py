@@ -8,6 +8,14 @@ import pytest
 import torch
 
 import data
+import train
+from eval import load
+from grpo import Sample, collate, filter_groups, grouped_advantage
+from recipes import memtrain, memtrain_eval, memtrain_tasks
+from recipes.memtrain import (MemAgentConfig, memory_rollout, memory_step_context, memtrain_reward,
+                              reconstruction_reward, written_memory)
+from recipes.memtrain_eval import evaluate_memtrain, memtrain_heldout, memtrain_summary
+from sft import sft_loss
 
 NAMES = frozenset(data.name_pool())
 
@@ -25,17 +33,17 @@ def fact_of(passage: str):
 @pytest.mark.parametrize("world_seed", [0, 1, 2])
 def test_world_tasks_mask_every_pivot_occurrence_and_are_recoverable(world_seed):
     world = data.make_world(world_seed)
-    docs = {d["id"]: d["contents"] for d in data.world_memtrain_docs(world)}
-    tasks = data.world_memtrain_tasks(world_seed, 60, seed=world_seed, max_chunks=8)
+    docs = {d["id"]: d["contents"] for d in memtrain_tasks.world_memtrain_docs(world)}
+    tasks = memtrain_tasks.world_memtrain_tasks(world_seed, 60, seed=world_seed, max_chunks=8)
     assert len(tasks) == 60
     for t in tasks:
         text = " | ".join(t.chunks)
         passages = text.split(" | ")
         assert len(passages) == len(t.passage_ids) == 8 and len(t.chunks) == 8
         pivot = passages[t.passage_ids.index(t.pivot_id)]
-        assert pivot == data.replace_entity(docs[t.pivot_id], t.answer, data.MASK)
-        assert t.answer not in pivot.split() and data.MASK in pivot.split()
-        assert text.count(data.MASK) == docs[t.pivot_id].split().count(t.answer)   # every occurrence, nowhere else
+        assert pivot == memtrain_tasks.replace_entity(docs[t.pivot_id], t.answer, memtrain_tasks.MASK)
+        assert t.answer not in pivot.split() and memtrain_tasks.MASK in pivot.split()
+        assert text.count(memtrain_tasks.MASK) == docs[t.pivot_id].split().count(t.answer)   # every occurrence, nowhere else
         # recoverable: another passage states the pivot's fact with the answer in the masked slot
         s, r, o = fact_of(docs[t.pivot_id])
         others = [fact_of(p) for i, p in zip(t.passage_ids, passages) if i != t.pivot_id]
@@ -49,26 +57,26 @@ def test_world_tasks_mask_every_pivot_occurrence_and_are_recoverable(world_seed)
 
 
 def test_world_tasks_are_deterministic_under_seed():
-    a = data.world_memtrain_tasks(4, 10, seed=7)
-    assert a == data.world_memtrain_tasks(4, 10, seed=7)
-    assert a != data.world_memtrain_tasks(4, 10, seed=8)
+    a = memtrain_tasks.world_memtrain_tasks(4, 10, seed=7)
+    assert a == memtrain_tasks.world_memtrain_tasks(4, 10, seed=7)
+    assert a != memtrain_tasks.world_memtrain_tasks(4, 10, seed=8)
 
 
 def test_chunks_are_whole_passages_at_most_max_chunks():
-    assert data.split_chunks(list("abcde"), 2) == ["a | b | c", "d | e"]
-    assert data.split_chunks(list("ab"), 8) == ["a", "b"]
-    t = data.world_memtrain_tasks(0, 5, seed=0, max_chunks=3)
+    assert memtrain_tasks.split_chunks(list("abcde"), 2) == ["a | b | c", "d | e"]
+    assert memtrain_tasks.split_chunks(list("ab"), 8) == ["a", "b"]
+    t = memtrain_tasks.world_memtrain_tasks(0, 5, seed=0, max_chunks=3)
     assert all(len(x.chunks) == 3 for x in t)
     assert [len(c.split(" | ")) for c in t[0].chunks] == [3, 3, 2]
 
 
 def test_entity_heuristic_on_real_text():
     text = "The Eiffel Tower was built in Paris by Gustave Eiffel in 1889. It opened on March 31, 1889."
-    assert data.entity_spans(text) == ["Eiffel Tower", "Paris", "Gustave Eiffel", "1889", "March 31, 1889"]
-    assert data.entity_spans("In 4 May 1970 the Bank of England paid 3.5 pounds.") == \
+    assert memtrain_tasks.entity_spans(text) == ["Eiffel Tower", "Paris", "Gustave Eiffel", "1889", "March 31, 1889"]
+    assert memtrain_tasks.entity_spans("In 4 May 1970 the Bank of England paid 3.5 pounds.") == \
         ["4 May 1970", "Bank of England", "3.5"]
     a, b = data.name_pool()[:2]
-    assert data.entity_spans(f"{a} friend {b} | {b} is boss of {a}", NAMES) == [a, b]
+    assert memtrain_tasks.entity_spans(f"{a} friend {b} | {b} is boss of {a}", NAMES) == [a, b]
 
 
 CORPUS = [
@@ -87,14 +95,14 @@ def test_real_format_corpus_file(tmp_path):
     path = tmp_path / "corpus.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
     docs = data.load_corpus(str(path))
-    tasks = data.masked_reconstruction_tasks(docs, 20, seed=3, max_chunks=4, n_neighbours=2, n_random=2)
-    assert tasks == data.masked_reconstruction_tasks(docs, 20, seed=3, max_chunks=4, n_neighbours=2, n_random=2)
+    tasks = memtrain_tasks.masked_reconstruction_tasks(docs, 20, seed=3, max_chunks=4, n_neighbours=2, n_random=2)
+    assert tasks == memtrain_tasks.masked_reconstruction_tasks(docs, 20, seed=3, max_chunks=4, n_neighbours=2, n_random=2)
     by_id = {d["id"]: d["contents"] for d in docs}
     for t in tasks:
         assert 1 <= len(t.chunks) <= 4
         passages = " | ".join(t.chunks).split(" | ")
         pivot = passages[t.passage_ids.index(t.pivot_id)]
-        assert pivot == by_id[t.pivot_id].replace(t.answer, data.MASK) and t.answer not in pivot
+        assert pivot == by_id[t.pivot_id].replace(t.answer, memtrain_tasks.MASK) and t.answer not in pivot
         assert t.evidence_ids and all(t.answer in by_id[i] and i != t.pivot_id for i in t.evidence_ids)
         assert set(t.evidence_ids) <= set(t.passage_ids)
 
@@ -104,32 +112,31 @@ def test_imr_task_masks_an_earlier_chunk():
     names = NAMES | {"kalo", "mira", "tebo", "lapu"}
     seen = set()
     for s in range(40):
-        t = data.imr_task(chunks, 3, random.Random(s), names)
+        t = memtrain_tasks.imr_task(chunks, 3, random.Random(s), names)
         assert t.l < t.k < 3
-        assert t.chunk == data.replace_entity(chunks[t.l], t.target, data.TARGET)
-        assert t.target not in t.chunk.split() and data.MASK != t.target
+        assert t.chunk == memtrain_tasks.replace_entity(chunks[t.l], t.target, memtrain_tasks.TARGET)
+        assert t.target not in t.chunk.split() and memtrain_tasks.MASK != t.target
         seen.add((t.k, t.l, t.target))
     assert {(1, 0, "kalo"), (1, 0, "mira"), (2, 1, "tebo")} <= seen
-    assert data.imr_task(chunks, 1, random.Random(0), names) is None    # one memory: no earlier chunk
+    assert memtrain_tasks.imr_task(chunks, 1, random.Random(0), names) is None    # one memory: no earlier chunk
 
 
 def test_add_words_extends_a_world_tokenizer_and_model():
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=16, layers=1, heads=2, ffn=32)
-    added = data.add_words(tok, model, data.MEMTRAIN_WORDS)
-    assert data.MASK in added and "friend" not in added
+    added = memtrain_tasks.add_words(tok, model, memtrain_tasks.MEMTRAIN_WORDS)
+    assert memtrain_tasks.MASK in added and "friend" not in added
     text = f"{data.name_pool()[0]} friend [MASK] ? which entity is [TARGET] , this"
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[:-1] == tok.convert_tokens_to_ids(text.split()[:-1]) and tok.unk_token_id not in ids[:-1]
     assert ids[-1] == tok.unk_token_id                   # "this" is not "is": added words match whole words only
     assert model.get_input_embeddings().weight.shape[0] == len(tok)
-    assert data.add_words(tok, model, data.MEMTRAIN_WORDS) == []
+    assert memtrain_tasks.add_words(tok, model, memtrain_tasks.MEMTRAIN_WORDS) == []
 
 
 # --------------------------------------------------------------------------- rewards
 
 def test_reconstruction_reward_is_normalised_exact_match():
-    from reward import reconstruction_reward
     assert reconstruction_reward("Gustave Eiffel.", "gustave eiffel") == 1.0
     assert reconstruction_reward("The Thames", "Thames") == 1.0           # articles dropped
     assert reconstruction_reward("Gustave", "Gustave Eiffel") == 0.0      # no partial credit
@@ -137,7 +144,6 @@ def test_reconstruction_reward_is_normalised_exact_match():
 
 
 def test_memtrain_reward_hand_computed():
-    from reward import memtrain_reward
     e2e = torch.tensor([1.0, 0.0, 1.0])
     imr = torch.tensor([[1.0, 0, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0]])
     # 1 + 0.5/4*2 = 1.25 ; 0 + 0.5/4*4 = 0.5 ; 1 + 0 = 1.0
@@ -149,8 +155,6 @@ def test_memtrain_reward_hand_computed():
 
 
 def test_dr_grpo_and_dapo_filter_on_memtrain_rewards():
-    from grpo import filter_groups, grouped_advantage
-    from reward import memtrain_reward
     # two tasks x G1 = 2: task 0 rewards [1.25, 0.5] (kept), task 1 [1.0, 1.0] (all equal: dropped)
     r = memtrain_reward(torch.tensor([1.0, 0, 1, 1]), torch.tensor([[1.0, 1], [1, 1], [0, 0], [0, 0]]))
     gids = torch.tensor([0, 0, 1, 1])
@@ -163,13 +167,12 @@ def test_dr_grpo_and_dapo_filter_on_memtrain_rewards():
 
 @pytest.fixture(scope="module")
 def tiny():
-    tok = data.build_tokenizer(data.world_vocab() + data.MEMTRAIN_WORDS)
+    tok = data.build_tokenizer(data.world_vocab() + memtrain_tasks.MEMTRAIN_WORDS)
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
     return model, tok
 
 
 def test_step_context_is_a_mempo_round_with_the_chunk_as_tool_result(tiny):
-    from rollout import memory_step_context
     _, tok = tiny
     a, b, c = data.name_pool()[:3]
     ids = memory_step_context(tok, data.SYSTEM_PROMPT, "which entity is [MASK] ?", f"{a} friend {b}", f"{b} boss {c}")
@@ -181,7 +184,6 @@ def test_step_context_is_a_mempo_round_with_the_chunk_as_tool_result(tiny):
 
 
 def test_written_memory_is_the_body_capped_at_the_budget(tiny):
-    from rollout import written_memory
     _, tok = tiny
     a, b, c = data.name_pool()[:3]
     assert written_memory(tok, f"<mem> {a} friend {b} </mem> <think> answer </think>", 8) == f"{a} friend {b}"
@@ -189,9 +191,8 @@ def test_written_memory_is_the_body_capped_at_the_budget(tiny):
 
 
 def test_memory_rollout_carries_each_memory_into_the_next_step(tiny):
-    from rollout import MemAgentConfig, memory_rollout
     model, tok = tiny
-    tasks = data.world_memtrain_tasks(0, 2, seed=0, max_chunks=3)
+    tasks = memtrain_tasks.world_memtrain_tasks(0, 2, seed=0, max_chunks=3)
     cfg = MemAgentConfig(data.SYSTEM_PROMPT, mem_tokens=6, answer_tokens=4)
     trajs = memory_rollout(model, tok, tasks, 3, cfg, torch.Generator().manual_seed(0))
     assert [x.group_id for x in trajs] == [0, 0, 0, 1, 1, 1]
@@ -214,14 +215,12 @@ def test_memory_rollout_carries_each_memory_into_the_next_step(tiny):
 def format_warm_start(model, tok, steps: int = 150, seed: int = 0):
     """A few SFT steps on scripted memory-agent rounds (memory = the newest chunks, last step answers the
     gold) so the tiny model writes the step format and the rewards of a group can differ."""
-    import train
-    from rollout import memory_step_context
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for s in range(steps):
         rows = []
-        for task in data.world_memtrain_tasks(rng.randrange(10**6), 4, seed=s, max_chunks=2):
+        for task in memtrain_tasks.world_memtrain_tasks(rng.randrange(10**6), 4, seed=s, max_chunks=2):
             mem = None
             for t, chunk in enumerate(task.chunks):
                 ctx = memory_step_context(tok, data.SYSTEM_PROMPT, task.problem, mem, chunk)
@@ -229,12 +228,12 @@ def format_warm_start(model, tok, steps: int = 150, seed: int = 0):
                 text = f"<mem> {new} </mem>"
                 if t == len(task.chunks) - 1:
                     text += f" <think> answer </think> <answer> {task.answer} </answer>"
-                rows.append(train.Sample(ctx + tok.encode(text, add_special_tokens=False), len(ctx)))
+                rows.append(Sample(ctx + tok.encode(text, add_special_tokens=False), len(ctx)))
                 mem = new
-        batch = train.collate(rows, tok.pad_token_id, "cpu")
+        batch = collate(rows, tok.pad_token_id, "cpu")
         n = float(sum(len(r.ids) - r.n_prompt for r in rows))
         opt.zero_grad()
-        loss = train.sft_loss(model, batch, n)
+        loss = sft_loss(model, batch, n)
         loss.backward()
         opt.step()
     print('warm-start loss', loss.item())
@@ -242,16 +241,15 @@ def format_warm_start(model, tok, steps: int = 150, seed: int = 0):
 
 
 def test_one_memtrain_step_changes_weights_and_logs_dropped_groups():
-    import train
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=64, layers=1, heads=4, ffn=128, seed=0)
-    assert data.add_words(tok, model, data.MEMTRAIN_WORDS)
+    assert memtrain_tasks.add_words(tok, model, memtrain_tasks.MEMTRAIN_WORDS)
     format_warm_start(model, tok)
     cfg = train.parse_args(["--algo", "memtrain", "--questions", "4", "--group", "8", "--imr-group", "2",
-                            "--mem-tokens", "8", "--max-chunks", "2", "--lr", "1e-3"])
+                            "--mem-tokens", "8", "--max-chunks", "2", "--lr", "1e-3"], memtrain.MemTrainConfig)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    m = train.memtrain_step(model, None, tok, opt, cfg, 0)
+    m = memtrain.memtrain_step(model, None, tok, opt, cfg, 0)
     assert m["answered"] > 0.5 and m["mem_closed"] > 0.5          # the warm start taught the format
     assert m["kept_groups"] + m["dropped_groups"] == 4 and m["kept_groups"] >= 1
     assert "skipped" not in m and all(torch.isfinite(torch.tensor(m[k])) for k in ("loss", "grad_norm", "score"))
@@ -261,41 +259,38 @@ def test_one_memtrain_step_changes_weights_and_logs_dropped_groups():
 # --------------------------------------------------------------------------- eval
 
 def test_memtrain_summary_hand_computed():
-    from eval import memtrain_summary
     s = memtrain_summary(["mira", "Gustave Eiffel", "1889"], ["Mira", None, "1890"], ["kalo", "tebo"], ["kalo", None])
     assert s == {"reconstruction": 1 / 3, "imr": 0.5, "answered": 2 / 3, "n": 3, "imr_n": 2}
 
 
 def test_heldout_tasks_are_deterministic_and_split_apart():
-    from eval import memtrain_heldout
     a, names = memtrain_heldout(6, "test")
     assert names == NAMES and a == memtrain_heldout(6, "test")[0]
     assert {t.pivot_id + t.answer for t in a} != {t.pivot_id + t.answer for t in memtrain_heldout(6, "valid")[0]}
 
 
 def test_eval_cli_on_world_and_real_format_corpus(tmp_path, capsys):
-    import eval as ev
     path = tmp_path / "corpus.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
-    tok = data.build_bpe_tokenizer(data.world_texts(1) + [d["contents"] for d in CORPUS] + data.MEMTRAIN_WORDS)
+    tok = data.build_bpe_tokenizer(data.world_texts(1) + [d["contents"] for d in CORPUS] + memtrain_tasks.MEMTRAIN_WORDS)
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64)
     model.save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
-    ev.main(["--checkpoint", str(tmp_path / "ckpt"), "--memtrain", "--corpus", str(path), "--tasks", "5",
-             "--mem-tokens", "6", "--max-chunks", "3", "--device", "cpu"])
+    memtrain_eval.main(["--checkpoint", str(tmp_path / "ckpt"), "--corpus", str(path), "--tasks", "5",
+                        "--mem-tokens", "6", "--max-chunks", "3", "--device", "cpu"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memtrain"]
     assert set(out) == {"world", "corpus"} and out["world"]["n"] == out["corpus"]["n"] == 5
     # every task has 3 chunks and every step writes a memory, so IMR is built where an earlier chunk has an entity
-    corpus_tasks, _ = ev.memtrain_heldout(5, "test", 0, 3, data.load_corpus(str(path)))
-    expected = sum(any(data.entity_spans(c) for c in t.chunks[:2]) for t in corpus_tasks)
+    corpus_tasks, _ = memtrain_heldout(5, "test", 0, 3, data.load_corpus(str(path)))
+    expected = sum(any(memtrain_tasks.entity_spans(c) for c in t.chunks[:2]) for t in corpus_tasks)
     assert out["corpus"]["imr_n"] == expected
-    again = ev.evaluate_memtrain(*ev.load(str(tmp_path / "ckpt"), torch.device("cpu"))[:2], corpus_tasks, None, 6)
+    again = evaluate_memtrain(*load(str(tmp_path / "ckpt"), torch.device("cpu"))[:2], corpus_tasks, None, 6)
     assert again == out["corpus"]                                              # greedy: reproducible
 
 
 def test_memtrain_expert_keeps_the_masked_passage_and_answers():
-    task = data.MemTrainTask(data.problem_text(), "mira", ["a b c | d e f", "x [MASK] y | mira q", "g h i"], "p", [], [])
-    rounds = data.memtrain_expert_rounds(task, mem_words=7)
+    task = memtrain_tasks.MemTrainTask(memtrain_tasks.problem_text(), "mira", ["a b c | d e f", "x [MASK] y | mira q", "g h i"], "p", [], [])
+    rounds = memtrain_tasks.memtrain_expert_rounds(task, mem_words=7)
     assert rounds == ["<mem> a b c | d e f </mem>",
                       "<mem> x [MASK] y | mira q </mem>",                      # 10 words > 7: a b c, d e f dropped
                       "<mem> x [MASK] y | mira q </mem> <think> answer </think> <answer> mira </answer>"]

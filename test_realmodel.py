@@ -17,11 +17,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
 import data
 import eval as ev
+import grpo
+import sft
 import train
 from memory import mem_token_end
 from reward import answer_template
 from rollout import (AgentConfig, PROTOCOL_PROMPT, SearchTool, checkpoint_prompt, encode_chat, generate, left_pad,
-                     parse_action, rollout, stop_strings)
+                     parse_action, rollout, run_episodes, stop_strings)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -75,7 +77,7 @@ def test_greedy_engine_equals_model_generate_on_the_bpe_folder(real):
 
 
 def test_engine_runs_under_bf16_autocast_over_fp32_weights(real):
-    """train.autocast's forward: fp32 master weights, bf16 compute; the KV cache must take both dtypes."""
+    """rollout.autocast's forward: fp32 master weights, bf16 compute; the KV cache must take both dtypes."""
     model, tok = real
     prompts = [ids(tok, "<mem> 1 = kalo friend"), ids(tok, "hello there")]
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -229,7 +231,7 @@ def test_fp32_master_weights_move_at_lr_1e6_under_bf16_autocast():
             model = model.to(torch.bfloat16)
         cfg = train.parse_args(["--precision", "bf16", "--lr", "1e-6"])
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        samples = [train.Sample(list(range(5, 25)), 8, adv_t=1.0), train.Sample(list(range(30, 44)), 6, adv_t=-1.0)]
+        samples = [grpo.Sample(list(range(5, 25)), 8, adv_t=1.0), grpo.Sample(list(range(30, 44)), 6, adv_t=-1.0)]
         before = [p.detach().clone() for p in model.parameters()]
         m = train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
         assert "skipped" not in m
@@ -265,7 +267,7 @@ def test_train_eval_resume_on_the_folder(folder, files, tmp_path):
 
 
 def test_sft_from_a_chat_format_trajectory_file_lowers_the_loss(folder, tmp_path):
-    paths = data.export(str(tmp_path / "export"), ks=(1,), n=4, episodes=24)
+    paths = sft.export(str(tmp_path / "export"), ks=(1,), n=4, episodes=24)
     traj = [p for p in paths if p.endswith("sft_trajectories.jsonl")][0]
     run, prompt = tmp_path / "sft", tmp_path / "prompt.txt"
     prompt.write_text("answer all . keep findings in mem\n")          # --system-prompt: short rows, a fast test
@@ -292,8 +294,8 @@ def test_trajectory_rows_match_the_expert_rows(tmp_path):
             msgs.append({"role": "tool", "content": tool.search(" ".join(q))})
     (tmp_path / "t.jsonl").write_text(json.dumps({"messages": msgs}) + "\n")
     tr = data.load_trajectories(str(tmp_path / "t.jsonl"))[0]
-    got = train.episode_samples(tok, tr["question"], tr["rounds"], data.SYSTEM_PROMPT)
-    want = train.expert_samples(tok, task, tool, forget=True)
+    got = sft.episode_samples(tok, tr["question"], tr["rounds"], data.SYSTEM_PROMPT)
+    want = sft.expert_samples(tok, task, tool, forget=True)
     assert [(s.ids, s.n_prompt) for s in got] == [(s.ids, s.n_prompt) for s in want]
 
 
@@ -331,13 +333,13 @@ def test_compose_joins_k_questions_mem1_style():
 
 
 def test_exported_files_score_the_same_as_the_in_memory_eval(sft_run, tmp_path):
-    paths = data.export(str(tmp_path), ks=(2,), n=16, episodes=2)
+    paths = sft.export(str(tmp_path), ks=(2,), n=16, episodes=2)
     model, tok, prompt = ev.load(str(sft_run), torch.device("cpu"))
     assert prompt == data.SYSTEM_PROMPT                            # the checkpoint carries its prompt
     agent = ev.greedy_agent("snail", 12, system_prompt=prompt)
     tasks, tool = ev.embedded_tasks(2, 16, split="test")
-    in_memory = ev.run_episodes(model, tok, tasks, tool, agent)
-    files = ev.run_episodes(model, tok, data.load_qa(paths[0]), SearchTool(data.load_corpus(paths[1])), agent)
+    in_memory = run_episodes(model, tok, tasks, tool, agent)
+    files = run_episodes(model, tok, data.load_qa(paths[0]), SearchTool(data.load_corpus(paths[1])), agent)
     assert [[r.round_ids for r in t.rounds] for t in files] == [[r.round_ids for r in t.rounds] for t in in_memory]
     assert ev.summarize(files) == ev.summarize(in_memory)
     assert sum(len(t.rounds) for t in files) > 16                  # the policy searched: the tool's files were used

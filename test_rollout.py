@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import data
+import grpo
 from reward import outcome_reward
 from rollout import AgentConfig, SearchTool, generate, left_pad, parse_action, rollout, sample_next, stop_strings
 
@@ -158,7 +159,7 @@ def test_forced_prefix_from_round_two_is_context_not_policy(expert_rollout):
             assert r.output_ids[:1] != prefix                                   # the model continues after <mem>
     assert all(r.mem_end > len(prefix) for r in later)                          # the span includes the prefix
     samples = train.build_samples(trajs, torch.ones(len(trajs)), None, None)
-    x = train.collate(samples, tok.pad_token_id, "cpu")
+    x = grpo.collate(samples, tok.pad_token_id, "cpu")
     for i, s in enumerate(samples):
         start = s.n_prompt - s.n_prefix
         assert x["loss_mask"][i, :s.n_prompt].sum() == 0 and x["loss_mask"][i, s.n_prompt:len(s.ids)].all()

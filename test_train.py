@@ -12,6 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
+import grpo
+import rollout
+import sft
 import train
 from rollout import AgentConfig
 
@@ -79,7 +82,7 @@ def hand_built_samples(n=6, seed=0):
     for i in range(n):
         L, P = int(torch.randint(8, 20, (1,), generator=g)), 5
         ids = torch.randint(5, 200, (L,), generator=g).tolist()
-        out.append(train.Sample(ids, P, mem_end=3, n_prefix=1, adv_t=(-1.0) ** i, adv_m=0.5 * (-1.0) ** (i // 2)))
+        out.append(grpo.Sample(ids, P, mem_end=3, n_prefix=1, adv_t=(-1.0) ** i, adv_m=0.5 * (-1.0) ** (i // 2)))
     return out
 
 
@@ -153,7 +156,7 @@ def test_ppo_update_gradient_equals_naive_per_trajectory_loss_with_or_without_mi
         s.traj = [0, 0, 0, 1, 1, 2, 3, 3][i]        # rows of one trajectory differ in length: sorting splits them
     small, m = _sgd_step(samples, ["--agg", agg, "--micro-tokens", "40"])
     one, _ = _sgd_step(samples, ["--agg", agg, "--micro-tokens", "100000"])
-    batches = train.micro_batches(samples, 40)
+    batches = grpo.micro_batches(samples, 40)
     assert len(batches) >= 3
     split = [t for t in range(4) if len({bi for bi, b in enumerate(batches) for s in b if s.traj == t}) > 1]
     assert split, "no trajectory was split across micro-batches"
@@ -167,9 +170,9 @@ def test_update_raises_logprob_of_positive_and_lowers_negative_advantage_tokens(
     from grpo import token_logprobs
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
-    up = train.Sample(tok.encode("<mem> 1 = bobi friend </mem> <think> search </think>", add_special_tokens=False),
+    up = grpo.Sample(tok.encode("<mem> 1 = bobi friend </mem> <think> search </think>", add_special_tokens=False),
                       3, adv_t=1.0, traj=0)
-    down = train.Sample(tok.encode("<think> answer </think> <answer> gonu </answer>", add_special_tokens=False),
+    down = grpo.Sample(tok.encode("<think> answer </think> <answer> gonu </answer>", add_special_tokens=False),
                         3, adv_t=-1.0, traj=1)
 
     def policy_logp(s):
@@ -203,7 +206,7 @@ def test_build_samples_and_collate_place_mem_span_and_memory_advantage_by_round_
     assert [(s.traj, s.adv_t, s.adv_m) for s in samples] == [(0, 0.5, 0.0), (0, 0.5, 1.5), (0, 0.5, 0.0),
                                                           (0, 0.5, -0.25), (1, -2.0, 7.0)]
     assert samples[1].ids == ctx1 + [20, 21, 22, 23, 24] and samples[1].n_prompt == 6 and samples[1].n_prefix == 1
-    x = train.collate(samples, pad_id=0, device="cpu")
+    x = grpo.collate(samples, pad_id=0, device="cpu")
     assert x["ids"].shape == (5, 10) and x["attn"][1].tolist() == [1] * 10
     assert x["loss_mask"][1].tolist() == [0] * 6 + [1] * 4           # the forced prefix (position 5) is mask 0
     assert x["mem_span"][1].tolist() == [0] * 5 + [1] * 3 + [0] * 2   # prefix + 2 sampled tokens
@@ -238,18 +241,18 @@ TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--sft
 
 def test_resume_during_sft_gives_the_uninterrupted_weights(tmp_path, monkeypatch):
     train.main(["--run", str(tmp_path / "full")] + TINY)
-    real = train.sft_batch
+    real = sft.sft_batch
 
     def crash_at_8(tokenizer, cfg, step, *args):    # the process dies in step 8, after the step-5 checkpoint
         if step == 8:
             raise KeyboardInterrupt
         return real(tokenizer, cfg, step, *args)
-    monkeypatch.setattr(train, "sft_batch", crash_at_8)
+    monkeypatch.setattr(sft, "sft_batch", crash_at_8)
     with pytest.raises(KeyboardInterrupt):
         train.main(["--run", str(tmp_path / "killed")] + TINY)
     state = torch.load(tmp_path / "killed" / "ckpt" / "trainer.pt", weights_only=False)["state"]
     assert state == {"stage": "sft", "step": 5, "precision": "auto"}
-    monkeypatch.setattr(train, "sft_batch", real)
+    monkeypatch.setattr(sft, "sft_batch", real)
     train.main(["--run", str(tmp_path / "killed"), "--resume"] + TINY)
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "killed" / "final").state_dict()
@@ -265,7 +268,7 @@ def test_stage_sft_trains_a_checkpoint_on_its_system_prompt(tmp_path):
     cfg = train.parse_args(TINY)
     tok = AutoTokenizer.from_pretrained(tmp_path / "base" / "final")
     head = tok.encode("<|system|> answer every question . search first <|end|>", add_special_tokens=False)
-    for rows in (train.copy_batch(tok, cfg, 0, prompt.read_text()), train.sft_batch(tok, cfg, 10, prompt.read_text())):
+    for rows in (sft.copy_batch(tok, cfg, 0, prompt.read_text()), sft.sft_batch(tok, cfg, 10, prompt.read_text())):
         assert rows and all(r.ids[:len(head)] == head for r in rows)
     args = ["--model", str(tmp_path / "base" / "final"), "--system-prompt", str(prompt)] + TINY
     train.main(["--run", str(tmp_path / "auto")] + args)
@@ -369,10 +372,10 @@ def test_expert_samples_renders_only_the_requested_rounds_identically():
     tool = SearchTool(world.docs)
     for _ in range(10):
         task = data.make_task(world, rng, rng.randint(1, 4), (1, 3))
-        full = train.expert_samples(tok, task, tool, forget=True)
+        full = sft.expert_samples(tok, task, tool, forget=True)
         assert len(full) == sum(len(o.relations) for o in task.objectives) + 1     # one search per hop + answer
         keep = {0, len(full) // 2, len(full) - 1}
-        part = train.expert_samples(tok, task, tool, forget=True, rounds=keep)
+        part = sft.expert_samples(tok, task, tool, forget=True, rounds=keep)
         assert [(s.ids, s.n_prompt) for s in part] == [(full[t].ids, full[t].n_prompt) for t in sorted(keep)]
 
 
@@ -382,11 +385,11 @@ def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():
     tok = data.build_tokenizer()
     world = data.make_world(3)
     task = data.make_task(world, _random.Random(1), 2, (1, 2))
-    tool = train.SearchTool(world.docs)
+    tool = rollout.SearchTool(world.docs)
     ep = data.expert_episode(task, True)
-    rows = train.probe_samples(tok, task, tool, True, _random.Random(0), 1.0)
+    rows = sft.probe_samples(tok, task, tool, True, _random.Random(0), 1.0)
     assert len(rows) == 2 * (len(ep) - 1)                       # two rows for every round >= 2, none for round 1
-    policy = train.expert_samples(tok, task, tool, True)
+    policy = sft.expert_samples(tok, task, tool, True)
     for t in range(1, len(ep)):
         full, mem = rows[2 * (t - 1)], rows[2 * (t - 1) + 1]
         ctx = policy[t].ids[:policy[t].n_prompt - 1]             # the round's context, without the forced <mem>
@@ -395,9 +398,9 @@ def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():
         assert tok.decode(full.ids[full.n_prompt:]) == f"{data.context_answers(task, ep, t)} </answer>"
         assert tok.decode(mem.ids[mem.n_prompt:]) == f"{data.answers_from_mem(task, extract_mem(ep[t][0]))} </answer>"
         assert tok.decode(mem.ids[:mem.n_prompt]).endswith(f"<mem> {extract_mem(ep[t][0])} </mem> <think> probe </think> <answer>")
-    assert train.probe_samples(tok, task, tool, True, _random.Random(0), 0.0) == []
+    assert sft.probe_samples(tok, task, tool, True, _random.Random(0), 0.0) == []
     # on top of the batch: the policy rows of a step are the same count with or without probe rows
     cfg = train.parse_args(["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16"])
-    assert len(train.sft_batch(tok, cfg, 99)) > 16
+    assert len(sft.sft_batch(tok, cfg, 99)) > 16
     cfg0 = train.parse_args(["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16", "--sft-probe", "0"])
-    assert len(train.sft_batch(tok, cfg0, 99)) == 16
+    assert len(sft.sft_batch(tok, cfg0, 99)) == 16
