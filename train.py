@@ -446,7 +446,12 @@ def load_policy(cfg: Config, device: torch.device):
         model, tokenizer, prompt = load_model(ckpt, device), AutoTokenizer.from_pretrained(ckpt), checkpoint_prompt(ckpt)
         print(f"resuming {state['stage']} at step {state['step']} from {ckpt}")
     elif cfg.model:
-        model, tokenizer = load_model(cfg.model, device), AutoTokenizer.from_pretrained(cfg.model)
+        try:
+            model, tokenizer = load_model(cfg.model, device), AutoTokenizer.from_pretrained(cfg.model)
+        except OSError as e:     # not a folder here, and the model hub cannot give it: one line, not a traceback
+            where = "no such folder" if not os.path.isdir(cfg.model) else "not a model folder"
+            raise SystemExit(f"--model {cfg.model}: {where}, and it does not load as a hub model "
+                             f"({str(e).splitlines()[0]})") from None
         prompt = checkpoint_prompt(cfg.model)
     else:
         tokenizer = data.build_bpe_tokenizer() if cfg.tokenizer == "bpe" else data.build_tokenizer()

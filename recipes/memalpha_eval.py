@@ -89,6 +89,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=192, help="max tokens the writer generates per chunk")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = p.parse_args(argv)
+    if not os.path.isdir(args.checkpoint):
+        p.error(f"checkpoint folder {args.checkpoint} does not exist")
     device = pick_device(args.device)
     final = args.writer or os.path.join(args.checkpoint, "final")
     writer = load_model(final, device).eval()

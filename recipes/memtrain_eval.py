@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 
 import data
@@ -73,6 +74,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-chunks", type=int, default=4, help="chunks per held-out task")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = p.parse_args(argv)
+    if not os.path.isdir(args.checkpoint):
+        p.error(f"checkpoint folder {args.checkpoint} does not exist")
     model, tokenizer, _ = load(args.checkpoint, pick_device(args.device))
     add_words(tokenizer, model, MEMTRAIN_WORDS)      # an SFT checkpoint has no [MASK] yet
     sets = {"world": memtrain_heldout(args.tasks, args.split, args.seed, args.max_chunks)}
