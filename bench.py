@@ -39,8 +39,8 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
    rollout / reward / update seconds, and the peak RSS of this process (peak CUDA memory on a GPU).
 6. **padding waste** (``padding_waste``): the fraction of token positions of the update forward that
    are padding, for the round samples of one step cut unsorted into the same number of micro-batches
-   (before) and by ``train.micro_batches`` (sorted by length, token budget; after); then, for
-   comparison, ``train.micro_batches`` at a quarter of the budget.
+   (before) and by ``grpo.micro_batches`` (sorted by length, token budget; after); then, for
+   comparison, ``grpo.micro_batches`` at a quarter of the budget.
 
 7. **processes** (``step_sec_by_procs``): seconds per RL step (default config, B = 8 questions split
    over the ranks) of ``torchrun --nproc_per_node N train.py --model M`` for each N of ``--procs``
@@ -64,13 +64,18 @@ import os
 import random
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import replace
 from unittest import mock
 
 import torch
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 import data
+import grpo
 import rollout as engine
 import train
 from memory import Record, mem_traj, prepare_prompt, tool_record
@@ -78,6 +83,10 @@ from reward import answer_logprobs, answer_template
 from rollout import PROTOCOL_PROMPT, AgentConfig, SearchTool, encode_chat, generate, left_pad, question_prefix
 
 DEFAULT_CHECKPOINTS = ["runs/default/final", "runs/bench_sft/final"]
+# --quick on a fresh clone trains its own, cheaper policies (kept apart, so the full figures keep theirs)
+QUICK_SFT, QUICK_PROTOCOL = "runs/bench_quick_sft/final", "runs/bench_quick_protocol/final"
+QUICK_SFT_ARGS = ["--sft-copy-steps", "150", "--sft-steps", "250", "--sft-batch", "32", "--rl-steps", "0",
+                  "--forget-p", "0.5", "--sft-objectives", "1-2", "--hops", "1-2", "--eval-every", "0"]
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, rope_theta=1_000_000.0, tie_word_embeddings=True)
 
@@ -88,8 +97,7 @@ def load(args, device: torch.device):
     """(model, tokenizer, what it is): a checkpoint, the bench's own SFT, or a random Qwen2.5-0.5B-shaped model."""
     if args.model_shape == "qwen2.5-0.5b":
         # Qwen2.5-0.5B's body and its padded vocabulary (151936 rows), a Qwen2-style BPE tokenizer over the world's
-        # text; ids past the tokenizer's decode to nothing. fp32 master weights: train.autocast gives bf16 on CUDA.
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        # text; ids past the tokenizer's decode to nothing. fp32 master weights: rollout.autocast gives bf16 on CUDA.
         tok = data.build_bpe_tokenizer()
         cfg = Qwen2Config(vocab_size=151936, max_position_embeddings=32768, pad_token_id=tok.pad_token_id,
                           eos_token_id=tok.eos_token_id, bos_token_id=None, **QWEN_05B)
@@ -97,11 +105,12 @@ def load(args, device: torch.device):
         torch.manual_seed(0)
         return (Qwen2ForCausalLM(cfg).to(device).eval(), tok,
                 f"random qwen2.5-0.5b shape ({cfg._attn_implementation}, fp32 weights)")
-    from transformers import AutoTokenizer
-    path = args.checkpoint or next((p for p in DEFAULT_CHECKPOINTS if os.path.exists(p)), "")
-    if not path:                       # train the test suite's SFT recipe once; later runs reuse it
-        train.main(["--run", os.path.dirname(DEFAULT_CHECKPOINTS[-1]), "--device", device.type] + train.SMALL_SFT_ARGS)
-        path = DEFAULT_CHECKPOINTS[-1]
+    own = QUICK_SFT if args.quick else DEFAULT_CHECKPOINTS[-1]
+    path = args.checkpoint or next((p for p in DEFAULT_CHECKPOINTS + [own] if os.path.exists(p)), "")
+    if not path:                       # train a policy once (quick: a shorter recipe); later runs reuse it
+        recipe = QUICK_SFT_ARGS if args.quick else train.SMALL_SFT_ARGS
+        train.main(["--run", os.path.dirname(own), "--device", device.type] + recipe)
+        path = own
     return engine.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
 
 
@@ -112,20 +121,22 @@ def protocol_model(args, model, tok, source: str, device: torch.device):
     times one round and nothing to reuse. So the first run adapts the checkpoint to the protocol prompt
     (``train.py --stage sft --system-prompt``: 300 SFT steps of the default recipe, every row under that
     prompt; ~6-10 min on 2 CPU cores, not counted) and keeps it in ``--protocol-checkpoint``; later runs
-    reuse it. A random model (``--model-shape``) is used as it is."""
+    reuse it (``--quick`` without one: 40 steps of 16 rows, kept apart). A random model (``--model-shape``)
+    is used as it is."""
     if args.model_shape != "tiny":
         return model, tok, source
-    from transformers import AutoTokenizer
-    path = args.protocol_checkpoint
+    full = "runs/bench_protocol/final"
+    path = args.protocol_checkpoint or (QUICK_PROTOCOL if args.quick and not os.path.exists(full) else full)
     if not os.path.exists(path):
         run = os.path.dirname(path)
         os.makedirs(run, exist_ok=True)
         prompt = os.path.join(run, "protocol_prompt.txt")
         with open(prompt, "w", encoding="utf-8") as f:
             f.write(PROTOCOL_PROMPT)
+        steps = ["--sft-steps", "40", "--sft-batch", "16"] if args.quick else ["--sft-steps", "300"]
         train.main(["--run", run, "--model", source, "--stage", "sft", "--system-prompt", prompt,
-                    "--sft-copy-steps", "0", "--sft-steps", "300", "--sft-lr", "3e-4", "--rl-steps", "0",
-                    "--eval-every", "0", "--device", device.type])
+                    "--sft-copy-steps", "0", "--sft-lr", "3e-4", "--rl-steps", "0", "--eval-every", "0",
+                    "--device", device.type] + steps)
     return engine.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
 
 
@@ -341,14 +352,14 @@ def bench_train_step(model, tok, device, steps: int) -> dict:
 
 
 def bench_padding(trajs, cfg: train.Config) -> dict:
-    """Figure 6: padding fraction of the update forward, unsorted vs ``train.micro_batches``."""
+    """Figure 6: padding fraction of the update forward, unsorted vs ``grpo.micro_batches``."""
     samples = train.build_samples(trajs, torch.zeros(len(trajs)), None, None)
-    after = train.micro_batches(samples, cfg.micro_tokens)
+    after = grpo.micro_batches(samples, cfg.micro_tokens)
     size = -(-len(samples) // len(after))                     # same number of micro-batches, unsorted
     before = [samples[i:i + size] for i in range(0, len(samples), size)]
-    small = train.micro_batches(samples, cfg.micro_tokens // 4)
-    return {"rows": len(samples), "micro_batches": len(after), "before": train.padding_waste(before),
-            "after": train.padding_waste(after), "small_budget": train.padding_waste(small),
+    small = grpo.micro_batches(samples, cfg.micro_tokens // 4)
+    return {"rows": len(samples), "micro_batches": len(after), "before": grpo.padding_waste(before),
+            "after": grpo.padding_waste(after), "small_budget": grpo.padding_waste(small),
             "small_budget_batches": len(small)}
 
 
@@ -358,9 +369,6 @@ def bench_processes(model, tok, source: str, device: torch.device, procs: list[i
     Each N is a fresh run of ``steps`` RL steps from the same model; the step time is the median over
     steps after the first (warm-up) of sec_rollout + sec_reward + sec_update (each the slowest rank's).
     """
-    import subprocess
-    import sys
-    import tempfile
     here = os.path.dirname(os.path.abspath(__file__))
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -389,30 +397,32 @@ def bench_processes(model, tok, source: str, device: torch.device, procs: list[i
 
 # --------------------------------------------------------------------------- main
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Benchmark the rollout engine, reward scoring and a training step.")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--quick", action="store_true", help="fewer repeats and shorter decodes (under 3 minutes on CPU)")
     p.add_argument("--checkpoint", default="",
                    help="model folder (default: runs/default/final, else runs/bench_sft/final, trained on first use)")
-    p.add_argument("--protocol-checkpoint", default="runs/bench_protocol/final",
-                   help="figure 2's policy under the protocol prompt: the checkpoint adapted to it (made on first use)")
+    p.add_argument("--protocol-checkpoint", default="",
+                   help="figure 2's policy under the protocol prompt: the checkpoint adapted to it (default "
+                        "runs/bench_protocol/final; --quick without it: runs/bench_quick_protocol/final; made on first use)")
     p.add_argument("--model-shape", default="tiny", choices=["tiny", "qwen2.5-0.5b"],
                    help="tiny: the checkpoint; qwen2.5-0.5b: a random model of that shape (bf16 on CUDA)")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats per figure (default 5, quick 3)")
     p.add_argument("--train-steps", type=int, default=0, help="RL steps timed in figure 5 (default 2, quick 1)")
     p.add_argument("--procs", default="1,2", help="figure 7: torchrun process counts to time, e.g. 1,2,4,8 (GPUs: one each)")
     p.add_argument("--proc-steps", type=int, default=0, help="RL steps per run in figure 7 (default 4, quick 3)")
-    args = p.parse_args(argv)
-    repeats = args.repeats or (3 if args.quick else 5)
-    device = torch.device(args.device)
-    t_start = time.time()
+    return p.parse_args(argv)
+
+
+def figures(args, device: torch.device, repeats: int) -> dict:
+    """Every figure's numbers (the policies are loaded, or trained on first use, first)."""
     model, tok, source = load(args, device)
     p_model, p_tok, p_source = protocol_model(args, model, tok, source, device)
     cfg = train.parse_args([])
     n_new = 64 if args.quick else cfg.max_new_tokens
 
-    with train.autocast(cfg, device):         # the training forward: bf16 autocast on CUDA, fp32 on CPU
+    with engine.autocast(cfg.precision, device):         # the training forward: bf16 autocast on CUDA, fp32 on CPU
         dec = bench_decode(model, tok, device, n_new, repeats)
         # the real-model path's protocol prompt (hundreds of tokens), then the checkpoint's own prompt (what it trained on)
         own_prompt = engine.checkpoint_prompt(source) if os.path.isdir(source) else PROTOCOL_PROMPT
@@ -426,7 +436,13 @@ def main(argv=None) -> None:
         cx = bench_context(model, tok, device, repeats, args.quick)
     procs = [int(x) for x in args.procs.split(",")]
     pr = bench_processes(model, tok, source, device, procs, args.proc_steps or (3 if args.quick else 4))
+    return dict(dec=dec, ro=ro, ro_own=ro_own, sc=sc, pad=pad, st=st, cx=cx, pr=pr, procs=procs, n_new=n_new,
+                source=source, p_source=p_source, micro_tokens=cfg.micro_tokens)
 
+
+def print_table(f: dict, args, device: torch.device, repeats: int) -> None:
+    dec, ro, ro_own, sc, pad, st, cx, pr = (f[k] for k in ("dec", "ro", "ro_own", "sc", "pad", "st", "cx", "pr"))
+    n_new, source, p_source, procs, micro = f["n_new"], f["source"], f["p_source"], f["procs"], f["micro_tokens"]
     s, g = ro["sampled"], ro["greedy"]
     print(f"# python bench.py{' --quick' if args.quick else ''}  device={device}  model={source}  "
           f"threads={torch.get_num_threads()}  repeats={repeats}  {time.strftime('%Y-%m-%d %H:%M')}")
@@ -469,18 +485,24 @@ def main(argv=None) -> None:
           + (f"\n  every update skipped (scores tied): one update on random +-1 advantages, {st['update_rows']} rows, "
              f"{st['update_tokens']} tokens: {st['sec_update_forced']:.2f} s" if "sec_update_forced" in st else ""))
     print(f"6 padding waste, {pad['rows']} round samples of one step: unsorted in {pad['micro_batches']} "
-          f"micro-batches {pad['before']:.3f} | train.micro_batches (sorted, budget {cfg.micro_tokens}) "
-          f"{pad['after']:.3f} | same at budget {cfg.micro_tokens // 4} ({pad['small_budget_batches']} micro-batches) "
+          f"micro-batches {pad['before']:.3f} | grpo.micro_batches (sorted, budget {micro}) "
+          f"{pad['after']:.3f} | same at budget {micro // 4} ({pad['small_budget_batches']} micro-batches) "
           f"{pad['small_budget']:.3f}")
     print(f"7 step time, torchrun --nproc_per_node N train.py (default config, B=8 questions split over N): "
           + "  ".join(f"N={n} {x['sec_step']:.2f} s ({pr[procs[0]]['sec_step'] / x['sec_step']:.2f}x)" for n, x in pr.items())
           + ("  [CPU: a smoke test, the ranks share the cores]" if device.type == "cpu" else ""))
-    print(f"# total {time.time() - t_start:.0f} s")
+
+
+def summary(f: dict, args, device: torch.device, repeats: int, seconds: float) -> dict:
+    """The JSON line: every ratio, then the absolute numbers behind them."""
+    dec, ro, ro_own, sc, pad, st, cx, pr = (f[k] for k in ("dec", "ro", "ro_own", "sc", "pad", "st", "cx", "pr"))
+    s, g = ro["sampled"], ro["greedy"]
+    tok_growth = cx["snail_64"]["prompt_tokens"] / cx["snail_8"]["prompt_tokens"]
     r3 = lambda x: round(x, 3)
-    print(json.dumps({
+    return {
         "decode_speedup": r3(dec["speedup"]), "rollout_speedup": r3(s["speedup"]),
         "rollout_speedup_no_prefix_cache": r3(s["speedup_off"]), "rollout_prefix_cache_gain": r3(s["on_vs_off"]),
-        "rollout_prefix_tokens": round(ro["prefix_tokens"]), "rollout_model": p_source,
+        "rollout_prefix_tokens": round(ro["prefix_tokens"]), "rollout_model": f["p_source"],
         "rollout_rounds_per_traj": r3(s["rounds_on"]),
         "rollout_speedup_own_prompt": r3(ro_own["sampled"]["speedup"]) if ro_own else None,
         "scoring_speedup": r3(sc[8192]["speedup"]) if sc["n"] else None,
@@ -492,10 +514,21 @@ def main(argv=None) -> None:
         "greedy_parity": dec["greedy_parity"],
         "rollout_traj_s": {"on": r3(s["on_traj_s"]), "off": r3(s["off_traj_s"]), "naive": r3(s["naive_traj_s"])},
         "rollout_greedy_speedup": r3(g["speedup"]), "rollout_greedy_identical": g["identical"],
-        "train_step": {k: r3(v) for k, v in st.items()}, "device": str(device), "model": source,
+        "train_step": {k: r3(v) for k, v in st.items()}, "device": str(device), "model": f["source"],
         "step_sec_by_procs": {str(n): r3(x["sec_step"]) for n, x in pr.items()},
         "quick": args.quick, "repeats": repeats, "date": time.strftime("%Y-%m-%d"),
-        "seconds": round(time.time() - t_start)}))
+        "seconds": round(seconds)}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 5)
+    device = torch.device(args.device)
+    t_start = time.time()
+    f = figures(args, device, repeats)
+    print_table(f, args, device, repeats)
+    print(f"# total {time.time() - t_start:.0f} s")
+    print(json.dumps(summary(f, args, device, repeats, time.time() - t_start)))
 
 
 if __name__ == "__main__":
