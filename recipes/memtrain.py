@@ -6,8 +6,8 @@ Built from the shared pieces: the engine (``rollout.generate``), ``grpo.py`` (Dr
 filter, rows), ``sft.run_sft`` and train.py's run (model loading, ``ppo_update``, the RL loop, checkpoints).
 The proxy tasks are in ``recipes/memtrain_tasks.py``; the evaluation in ``recipes/memtrain_eval.py``.
 
-**The training step.** One step: --questions masked-reconstruction tasks (a fresh embedded world each step, or --corpus),
-G1 = --group memory-agent rollouts per task, G2 = --imr-group IMR rollouts per trajectory, then
+**The training step.** --questions masked-reconstruction tasks (a fresh embedded world each step, or
+--corpus), G1 = --group memory-agent rollouts per task, G2 = --imr-group IMR rollouts per trajectory, then
 
     R_i = 1[e2e_i] + lam / G2 * sum_j 1[imr_ij]          (``memtrain_reward``)
     A_i = R_i - mean_group(R)                            (Dr.GRPO: grpo.grouped_advantage(norm_by_std=False))
@@ -22,8 +22,8 @@ checkpoint (tokenizer with [MASK] included) and starts RL from it, so MemPO / GR
 ``python -m recipes.memtrain --model SFT_RUN/final``. ``--memtrain-warmup`` SFT steps on scripted memory-agent
 rounds (``memtrain_expert_rounds``, through ``sft.run_sft``) teach a tiny model the step format first.
 
-**The memory agent.** MemAgent-style overwrite memory in MemPO's format, so the skill transfers to the search agent. Step t
-(one per chunk) sees
+**The memory agent.** MemAgent-style overwrite memory in MemPO's format, so the skill transfers to the
+search agent. Step t (one per chunk) sees
 
     system + problem  +  assistant "<mem> o_{t-1} </mem>"  +  user "<information> chunk_t </information>"
 
@@ -40,7 +40,9 @@ it wrote as its memory (truncated to the budget) and the trajectory goes on; o_t
 problem "which entity is [TARGET] ?", memory o_k and the masked chunk l, so the (trained) answer step
 and the IMR step share one format; IMR rollouts earn reward only and are not training rows.
 
-**The reward.**     e2e_i   = 1[pred_i == entity]              the masked entity, answered from the final memory
+**The reward.**
+
+    e2e_i   = 1[pred_i == entity]              the masked entity, answered from the final memory
     imr_ij  = 1[pred_ij == target]             IMR rollout j of trajectory i: memory o_k + chunk l -> [TARGET]
     R_i     = e2e_i + (lam / G2) * sum_j imr_ij          lam = 0.5 (paper)
 
