@@ -146,10 +146,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def side_by_side(fns: dict, repeats: int, device: torch.device) -> dict[str, float]:
-    """Median seconds of each function, run interleaved ``repeats`` times after one warm-up each."""
+def side_by_side(fns: dict, repeats: int, device: torch.device, warm_up: bool = True) -> dict[str, float]:
+    """Median seconds of each function, run interleaved ``repeats`` times after one warm-up each (``warm_up``)."""
     times = {k: [] for k in fns}
-    for k, f in fns.items():
+    for k, f in fns.items() if warm_up else ():
         f()
     for _ in range(repeats):
         for k, f in fns.items():
@@ -314,7 +314,7 @@ def bench_context(model, tok, device, repeats: int, quick: bool, n_new: int = 30
             n = 2 * repeats if mode == "snail" else (1 if quick else repeats)    # snail rounds are cheap
             t = side_by_side({"round": lambda: generate(model, prompts, n_new, pad_id=tok.pad_token_id,
                                                         generator=torch.Generator(device).manual_seed(0))},
-                             n, device)["round"]
+                             n, device, warm_up=not (quick and mode == "full"))["round"]   # quick: full once, cold
             res[f"{mode}_{r}"] = {"prompt_tokens": sum(map(len, prompts)) / len(prompts), "sec": t}
     for mode in ("snail", "full"):
         res[f"{mode}_ratio_64_vs_8"] = res[f"{mode}_64"]["sec"] / res[f"{mode}_8"]["sec"]
