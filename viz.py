@@ -9,7 +9,7 @@ Three plain functions, fed what a step already holds (nothing here imports ``tra
 The page shows, per question, its G rollouts side by side (one column each, one row per round). Each
 round: the context exactly as the policy saw it (``context_ids`` decoded, collapsible), every sampled
 token with its background coloured by the advantage it was trained with, the tool result, and the
-memory reward's two probes. The advantage is the update's own: per round, the masks ``train.collate``
+memory reward's two probes. The advantage is the update's own: per round, the masks ``grpo.collate``
 builds (loss mask 1 on the sampled output, the ``<mem>`` span on the round's first ``mem_end`` tokens,
 forced prefix included) through ``grpo.token_advantages``, so a token shows
 
@@ -90,7 +90,7 @@ def round_advantages(adv_t: float | None, adv_m: float, n_prefix: int, mem_end: 
     n = n_prefix + n_out
     if adv_t is None or n_out == 0:          # evaluation episodes; a round with no sampled token is no row
         return [None] * n
-    loss_mask, mem_span = torch.zeros(1, n), torch.zeros(1, n)       # (1, T), as train.collate lays them out
+    loss_mask, mem_span = torch.zeros(1, n), torch.zeros(1, n)       # (1, T), as grpo.collate lays them out
     loss_mask[0, n_prefix:] = 1
     mem_span[0, :mem_end] = 1
     adv = token_advantages(torch.tensor([adv_t]), torch.tensor([adv_m]), mem_span, loss_mask, mem_weight)[0]
