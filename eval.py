@@ -33,6 +33,7 @@ from memory import extract_mem
 from reward import (MEM_MASK, PROBE_THINK, THRESHOLD, mem_grounded, memory_rewards, outcome_reward,
                     template_objectives)
 from rollout import AgentConfig, SearchTool, checkpoint_prompt, load_model, parse_action, pick_device, run_episodes
+import viz
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
 AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
@@ -381,6 +382,36 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
     return out
 
 
+def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:
+    """``--show`` / ``--viz`` / ``--question``: greedy episodes printed round by round (viz.format_episode) and
+    / or written as one page (viz.write_page), with each round's P_full / P_mem as the run's reward saw them."""
+    agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
+    k = args.objectives[0]
+    if args.data or args.corpus:
+        if not args.corpus:
+            raise SystemExit("--data needs --corpus")
+        tool = SearchTool(data.load_corpus(args.corpus))
+        tasks = data.load_qa(args.data) if args.data else []
+    else:
+        tasks, tool = embedded_tasks(k, max(args.show, args.tasks), args.seed, args.split, hops)
+    if args.question:
+        tasks = [data.Task(args.question, [])]
+    if not tasks:
+        raise SystemExit("--show / --viz with --corpus need --data (or --question)")
+    tasks = tasks[:args.show or args.tasks]
+    trajs = run_episodes(model, tokenizer, tasks, tool, agent)
+    mem = None
+    if not args.question:                          # no gold, nothing to probe
+        mask_mode, threshold, think = run_reward_config(args.checkpoint)
+        mem = memory_rewards(model, tokenizer, trajs, threshold, mask_mode, think)
+    record = viz.step_record(trajs, tokenizer, mem=mem, metrics=summarize(trajs),
+                             title=f"{args.checkpoint}: greedy episodes, K={k if not args.data else 'file'}")
+    if args.viz:
+        print("wrote", viz.write_page(args.viz, record))
+    for q in record["questions"][:args.show or (1 if args.question else 0)]:
+        print(viz.format_episode(q, q["rollouts"][0]), end="\n\n")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Evaluate MemPO checkpoints.")
     p.add_argument("--checkpoint", help="run folder or checkpoint folder saved by train.py (e.g. runs/default)")
@@ -403,7 +434,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --data: MEM1-style K-objective questions joined from the file's, one table row per K")
     p.add_argument("--system-prompt", default="", help="text file with the system prompt (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--show", type=int, default=0, metavar="N",
+                   help="print N held-out episodes (the first --objectives K) round by round instead of the table")
+    p.add_argument("--viz", default="", metavar="FILE",
+                   help="write the episodes (--show N, else --tasks) as one HTML page (viz.py) instead of the table")
+    p.add_argument("--question", default="",
+                   help="run the agent on this question against the corpus (--corpus, else the K-th test world)")
     args = p.parse_args(argv)
+    if args.show < 0:
+        p.error("--show N: N must be at least 0")
     if min(args.objectives) < 1:
         p.error(f"--objectives {' '.join(map(str, args.objectives))}: each objective count K must be at least 1")
     if not args.compare and not args.checkpoint:
@@ -432,6 +471,8 @@ def main(argv=None) -> None:
     if args.system_prompt:
         with open(args.system_prompt, encoding="utf-8") as f:
             prompt = f.read().strip()
+    if args.show or args.viz or args.question:
+        return show_episodes(model, tokenizer, prompt, args, (a, b))
     if args.data:
         if not args.corpus:
             raise SystemExit("--data needs --corpus")

@@ -254,3 +254,35 @@ def test_format_episode_fits_100_columns(step):
     long = dict(record["questions"][0]["rollouts"][0])
     long["rounds"] = [dict(long["rounds"][0], mem="x" * 250)]       # an unbroken word still wraps
     assert all(len(line) <= 100 for line in format_episode(record["questions"][0], long).splitlines())
+
+
+# ---------------------------------------------------------------- the hooks: train.py --viz-every, eval.py --show / --viz
+def test_train_viz_every_writes_the_pages_of_the_steps_it_logged(sft_run, tmp_path):
+    import train
+    run = tmp_path / "run"
+    train.main(["--run", str(run), "--model", str(sft_run / "final"), "--rl-steps", "3", "--questions", "2",
+                "--group", "2", "--max-turns", "4", "--rl-objectives", "2", "--rl-hops", "1-2", "--eval-every", "0",
+                "--max-new-tokens", "40", "--threshold", "0", "--viz-every", "2"])
+    assert sorted(p.name for p in (run / "viz").iterdir()) == ["step_0000.html", "step_0002.html"]
+    logged = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    for step in (0, 2):
+        text = (run / "viz" / f"step_{step:04d}.html").read_text()
+        page = Page()
+        page.feed(text)
+        assert len(page.heads) == 4                              # 2 questions x 2 rollouts, all on the page
+        assert f"RL step {step}" in text and f"{logged[step]['score']:.4g}" in text   # the logged score in its header
+
+
+def test_eval_show_prints_episodes_and_viz_writes_the_page(sft_run, tmp_path, capsys):
+    import eval as ev
+    ev.main(["--checkpoint", str(sft_run), "--objectives", "2", "--hops", "1-2", "--show", "2",
+             "--viz", str(tmp_path / "ep.html")])
+    out = capsys.readouterr().out
+    assert out.count("== trajectory") == 2 and "-- round 1 " in out and "action" in out
+    assert all(len(line) <= 100 for line in out.splitlines() if not line.startswith("wrote"))
+    page = Page()
+    page.feed((tmp_path / "ep.html").read_text())
+    assert len(page.heads) == 2
+    ev.main(["--checkpoint", str(sft_run), "--objectives", "1", "--question", "1 : bobi friend _ ?"])
+    out = capsys.readouterr().out
+    assert out.count("== trajectory") == 1 and "question: 1 : bobi friend _ ?" in out and "(none given)" in out

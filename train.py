@@ -67,6 +67,7 @@ from transformers import AutoTokenizer
 import checkpoint
 import data
 import dist
+import viz
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, micro_batches, policy_loss,
                   token_advantages, token_logprobs)
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, outcome_reward
@@ -161,6 +162,8 @@ class Config:
     # bookkeeping
     save_every: int = flag(20, "checkpoint every N RL steps")
     sft_save_every: int = flag(500, "checkpoint every N SFT steps")
+    viz_every: int = flag(0, "write RUN/viz/step_NNNN.html (viz.py: rollouts, probes, per-token advantages) "
+                               "every N RL steps; 0 = off")
     eval_every: int = flag(20, "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)")
     eval_tasks: int = flag(32, "tasks per K in the periodic eval")
     resume: bool = flag(False, "continue from RUN/ckpt")
@@ -313,6 +316,10 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
     m.update(ppo_update(model, ref_model, optimizer, build_samples(trajs, adv_t, mem, mem_adv), cfg,
                         tokenizer.pad_token_id))
     m["sec_update"] = time.time() - t0
+    if cfg.viz_every and step % cfg.viz_every == 0 and dist.DIST.rank == 0:     # rank 0's own questions
+        record = viz.step_record(trajs, tokenizer, adv_t, mem, mem_adv, cfg.mem_weight, outs, metrics=m,
+                                 title=f"{cfg.run}: {cfg.algo} RL step {step}")
+        viz.write_page(os.path.join(cfg.run, "viz", f"step_{step:04d}.html"), record)
     return m
 
 
