@@ -245,13 +245,15 @@ def test_one_memtrain_step_changes_weights_and_logs_dropped_groups():
     model = data.build_tiny_model(tok, hidden=64, layers=1, heads=4, ffn=128, seed=0)
     assert memtrain_tasks.add_words(tok, model, memtrain_tasks.MEMTRAIN_WORDS)
     format_warm_start(model, tok)
-    cfg = train.parse_args(["--algo", "memtrain", "--questions", "4", "--group", "8", "--imr-group", "2",
+    # 8 questions: the DAPO filter kept 1 / 2 / 1 of 4 groups (1 thread / ATEN default / 2 threads, issue 22),
+    # one tie away from a skipped step; twice the groups keep the check off that edge
+    cfg = train.parse_args(["--algo", "memtrain", "--questions", "8", "--group", "8", "--imr-group", "2",
                             "--mem-tokens", "8", "--max-chunks", "2", "--lr", "1e-3"], memtrain.MemTrainConfig)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     m = memtrain.memtrain_step(model, None, tok, opt, cfg, 0)
     assert m["answered"] > 0.5 and m["mem_closed"] > 0.5          # the warm start taught the format
-    assert m["kept_groups"] + m["dropped_groups"] == 4 and m["kept_groups"] >= 1
+    assert m["kept_groups"] + m["dropped_groups"] == 8 and m["kept_groups"] >= 1
     assert "skipped" not in m and all(torch.isfinite(torch.tensor(m[k])) for k in ("loss", "grad_norm", "score"))
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
