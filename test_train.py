@@ -16,7 +16,7 @@ import grpo
 import rollout
 import sft
 import train
-from rollout import AgentConfig
+from rollout import AgentConfig, SearchTool
 
 # The fixture policy answers no question right (every score 0), so an update needs the memory reward to
 # vary: threshold 0 makes P a geometric mean over all gold tokens (never exactly 0). Measured on the
@@ -404,3 +404,34 @@ def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():
     assert len(sft.sft_batch(tok, cfg, 99)) > 16
     cfg0 = train.parse_args(["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16", "--sft-probe", "0"])
     assert len(sft.sft_batch(tok, cfg0, 99)) == 16
+
+
+def test_rl_logs_kl_to_its_start_entropy_and_early_answers_whatever_kl_coef(sft_run, tmp_path):
+    """--kl-coef 0 (the default) still loads the reference: "kl" is 0 before the first update, > 0 after it."""
+    run = tmp_path / "run"
+    train.main(["--run", str(run), "--model", str(sft_run / "final")] + RL_ARGS[:1] + ["3"] + RL_ARGS[2:])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and (run / "ref" / "config.json").exists()
+    updated = [r for r in rows if "skipped" not in r]
+    assert updated and updated[0]["step"] < 2, "no update before the last step: nothing to measure"
+    for r in updated:
+        assert r["entropy"] > 0 and 0.0 <= r["early_frac"] <= 1.0
+    assert rows[0].get("kl", 0.0) == 0.0                       # step 0: the policy is its reference
+    assert rows[updated[0]["step"] + 1]["kl"] > 0             # after an update the policy has moved
+    off = tmp_path / "off"
+    train.main(["--run", str(off), "--model", str(sft_run / "final"), "--no-log-kl"] + RL_ARGS[:1] + ["1"] + RL_ARGS[2:])
+    assert not (off / "ref").exists()
+
+
+def test_early_answer_counts_searches_against_the_question_s_hops(expert_rollout):
+    w, tasks = data.make_tasks(4, 4, [2], (1, 3))
+    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=12, max_new_tokens=60, temperature=0.0)
+    trajs, _ = expert_rollout(tasks, SearchTool(w.docs), cfg)
+    assert [train.early_answer(t) for t in trajs] == [0.0] * 4        # the expert searches once per hop
+    t = trajs[0]
+    t.rounds = t.rounds[:1] + t.rounds[-1:]                            # one search, then the answer
+    assert train.early_answer(t) == 1.0
+    t.rounds = t.rounds[:1]                                            # no answer at all: not early
+    assert train.early_answer(t) == 0.0
+    t.question = "who founded the city?"                               # a real question: hops unknown
+    assert train.early_answer(t) is None

@@ -135,7 +135,9 @@ class Config:
     clip_low: float = flag(0.2, "PPO clip below 1")
     clip_high: float = flag(0.2, "PPO clip above 1")
     dual_clip: float = flag(0.0, "dual clip c for A<0 (0 = off)")
-    kl_coef: float = flag(0.0, "k3 KL to the initial policy (0 = no reference model)")
+    kl_coef: float = flag(0.0, "k3 KL to the initial policy in the loss (0 = none)")
+    log_kl: bool = flag(True, "log the k3 KL to the policy RL started from every step, whatever --kl-coef "
+                              "(loads the reference; off: no reference model unless --kl-coef > 0)")
     agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
     ppo_epochs: int = flag(1, "update passes per batch")
     # padded tokens per micro-batch; on 2 cores 2048 beat 4096 by ~17% (less padding)
@@ -253,10 +255,21 @@ def build_samples(trajs, adv_t: torch.Tensor, mem: dict | None, mem_adv: list[li
     return samples
 
 
+def early_answer(traj) -> float | None:
+    """1.0 if ``traj`` answered after fewer searches than its question has hops, else 0.0; None when the
+    question's hops are unknown (a real QA file). The embedded world's K-objective question has one ``_`` slot
+    per hop, and its expert searches exactly once per hop."""
+    hops = traj.question.count(" _")
+    if not hops or not traj.rounds or traj.rounds[-1].action != "answer":
+        return None if not hops else 0.0
+    return float(sum(r.action == "search" for r in traj.rounds) < hops)
+
+
 def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config) -> dict[str, list]:
     """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
-         "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)]}
+         "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
+         "early": [e for e in (early_answer(t) for t in trajs) if e is not None]}
     if mem is not None:
         # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
         v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
@@ -274,6 +287,8 @@ def step_metrics(v: dict[str, list]) -> dict:
              em=sum(o["em"] for o in outs) / len(outs), f1=sum(o["f1"] for o in outs) / len(outs),
              valid=sum(o["valid"] for o in outs) / len(outs), turns=sum(v["turns"]) / len(v["turns"]),
              tokens=sum(v["tokens"]))
+    if v["early"]:                      # embedded world: answered after fewer searches than the question's hops
+        m["early_frac"] = sum(v["early"]) / len(v["early"])
     if "mem" in v:
         flat, n_empty, n_none = v["mem"], sum(v["empty"]), sum(v["no_signal"])
         # pool_std: the mean over the advantage's pools (per question; per round / nonzero as --mem-adv-norm)
@@ -352,7 +367,7 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
                 if ref_model is not None:
                     old[("ref", bi)] = token_logprobs(ref_model, x["ids"], x["attn"], cfg.temperature)
     model.train()
-    stats = {"clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0}
+    stats = {"clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "entropy": 0.0}
     for epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -371,6 +386,8 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
                 (loss * dist.DIST.world).backward()  # DDP / FSDP2 average over ranks; the global loss is the sum
             total += loss.item()
             w = x["loss_mask"].sum().item() / n_tokens
+            # the sampled tokens' mean -log p: at the sampling temperature, an estimate of the policy's entropy
+            lm["entropy"] = -(logp.detach() * x["loss_mask"]).sum().item() / max(x["loss_mask"].sum().item(), 1.0)
             for k in stats:
                 stats[k] += lm[k] * w / cfg.ppo_epochs
         total = dist.all_sum([total])[0]
@@ -400,7 +417,8 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
     """RL steps ``start .. --rl-steps``: ``step(ref_model, s)`` -> the step's metrics (``rl_step``, or a recipe's
     step), a greedy K=4 check every ``--eval-every`` steps when ``validate``, a checkpoint every ``--save-every``."""
     ref_model = None
-    if cfg.kl_coef > 0:
+    logged = cfg.log_kl and not dist.DIST.fsdp and (start == 0 or os.path.isdir(os.path.join(cfg.run, "ref")))
+    if cfg.kl_coef > 0 or logged:       # logged: how far RL moved, as "kl" (a run resumed from before it: none)
         if dist.DIST.fsdp:
             raise SystemExit("--kl-coef > 0 with --fsdp is not supported (the reference model would need its own sharding)")
         ref_model = checkpoint.reference_model(model, cfg.run, start)
