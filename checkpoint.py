@@ -119,11 +119,13 @@ def reference_model(model, run: str, start: int):
     """
     path = os.path.join(run, "ref")
     if start == 0:                      # RL starts (or restarts before its first checkpoint): this is the reference
-        tmp = path + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        if dist.DIST.rank == 0:         # torchrun: one writer, the others wait for it (all_sum is the barrier)
+            tmp = path + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        dist.all_sum([0.0])
     elif not os.path.isdir(path):
         raise SystemExit(f"--kl-coef > 0 on --resume needs the KL reference {path}, saved when RL started")
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype,
