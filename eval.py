@@ -393,12 +393,12 @@ def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) ->
         tool = SearchTool(data.load_corpus(args.corpus))
         tasks = data.load_qa(args.data) if args.data else []
     else:
-        tasks, tool = embedded_tasks(k, max(args.show, args.tasks), args.seed, args.split, hops)
+        tasks, tool = embedded_tasks(k, args.show or args.tasks, args.seed, args.split, hops)
     if args.question:
         tasks = [data.Task(args.question, [])]
     if not tasks:
         raise SystemExit("--show / --viz with --corpus need --data (or --question)")
-    tasks = tasks[:args.show or args.tasks]
+    tasks = tasks[:args.show or args.tasks]                # a --data file: its first N
     trajs = run_episodes(model, tokenizer, tasks, tool, agent)
     mem = None
     if not args.question:                          # no gold, nothing to probe

@@ -260,9 +260,10 @@ def early_answer(traj) -> float | None:
     question's hops are unknown (a real QA file). The embedded world's K-objective question has one ``_`` slot
     per hop, and its expert searches exactly once per hop."""
     hops = traj.question.count(" _")
-    if not hops or not traj.rounds or traj.rounds[-1].action != "answer":
-        return None if not hops else 0.0
-    return float(sum(r.action == "search" for r in traj.rounds) < hops)
+    if not hops:
+        return None
+    answered = bool(traj.rounds) and traj.rounds[-1].action == "answer"
+    return float(answered and sum(r.action == "search" for r in traj.rounds) < hops)
 
 
 def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config) -> dict[str, list]:
