@@ -30,9 +30,10 @@ from transformers import AutoTokenizer
 
 import data
 from memory import extract_mem
-from reward import (MEM_MASK, PROBE_THINK, THRESHOLD, mem_grounded, memory_rewards, outcome_reward,
+from reward import (MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, mem_grounded, memory_rewards, outcome_reward,
                     template_objectives)
-from rollout import AgentConfig, SearchTool, checkpoint_prompt, load_model, parse_action, pick_device, run_episodes
+from rollout import (AgentConfig, Round, SearchTool, Trajectory, checkpoint_prompt, cut_at_stop, generate,
+                     load_model, parse_action, pick_device, run_episodes, stop_strings)
 import viz
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
@@ -184,14 +185,17 @@ def p_by_round(model, tokenizer, trajs: list, threshold: float = THRESHOLD,
 
 
 def summarize(trajs: list) -> dict:
-    """Mean F1, EM, score, format-valid rate, TT, PT and turns over trajectories."""
+    """Mean F1, EM, score, format-valid rate, TT, PT and turns over trajectories, and the early-answer share
+    (``reward.early_answer``: answered after fewer searches than the question's hops; embedded world only)."""
     rows = []
     for t in trajs:
         o = outcome_reward(t)
         rows.append({"f1": o["f1"], "em": o["em"], "score": o["score"], "valid": float(o["valid"]),
                      "tt": sum(r.n_tokens for r in t.rounds),
                      "pt": max((r.n_tokens for r in t.rounds), default=0), "turns": len(t.rounds)})
-    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} | {"n": len(rows)}
+    early = [e for e in map(early_answer, trajs) if e is not None]
+    return ({k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} | {"n": len(rows)}
+            | ({"early": sum(early) / len(early)} if early else {}))
 
 
 def evaluate(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
@@ -212,18 +216,20 @@ def progress_bar(total: int):
 
 
 def greedy_agent(context: str = "snail", max_turns: int = 64, max_new_tokens: int = 128,
-                 system_prompt: str = data.SYSTEM_PROMPT) -> AgentConfig:
-    """The agent every evaluation runs: greedy, the checkpoint's system prompt (default: the embedded world's)."""
+                 system_prompt: str = data.SYSTEM_PROMPT, temperature: float = 0.0) -> AgentConfig:
+    """The agent every evaluation runs: greedy, the checkpoint's system prompt (default: the embedded world's).
+    ``temperature`` > 0 samples instead (``--temperature 1 --max-turns 16``: the policy RL trains, scored as
+    training scores it)."""
     return AgentConfig(system_prompt=system_prompt, context=context, max_turns=max_turns,
-                       max_new_tokens=max_new_tokens, temperature=0.0)
+                       max_new_tokens=max_new_tokens, temperature=temperature)
 
 
 def evaluate_embedded(model, tokenizer, ks: list[int], n: int, seed: int = 0, split: str = "valid",
                       context: str = "snail", max_turns: int = 64, hops: tuple[int, int] = (1, 3),
                       max_new_tokens: int = 128, progress: bool = False,
-                      system_prompt: str = data.SYSTEM_PROMPT) -> dict[int, dict]:
+                      system_prompt: str = data.SYSTEM_PROMPT, temperature: float = 0.0) -> dict[int, dict]:
     """Metrics per objective count K on held-out embedded worlds."""
-    agent = greedy_agent(context, max_turns, max_new_tokens, system_prompt)
+    agent = greedy_agent(context, max_turns, max_new_tokens, system_prompt, temperature)
     bar = progress_bar(len(ks) * n) if progress else None
     out = {}
     for k in ks:
@@ -236,6 +242,7 @@ def evaluate_embedded(model, tokenizer, ks: list[int], n: int, seed: int = 0, sp
 
 def print_table(results: dict, title: str = "") -> None:
     cols = ["f1", "em", "score", "valid", "tt", "pt", "turns", "n"]
+    cols += ["early"] if all("early" in r for r in results.values()) else []
     if title:
         print(title)
     print("K    " + " ".join(f"{c:>8}" for c in cols))
@@ -382,6 +389,78 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
     return out
 
 
+# --------------------------------------------------------------------------- stop value (issue 24)
+
+STOP_TEXT = " <think> answer </think> <answer>"     # the expert's answer action after its <mem> (data.expert_rounds)
+
+
+def held_answers(mem_text: str, golds: list[list[str]]) -> int:
+    """How many objectives' gold answers (first alias) a round's ``<mem>`` text already holds."""
+    words = set(mem_text.split())
+    return sum(bool(g) and all(w in words for w in g[0].split()) for g in golds)
+
+
+def stop_value(model, tokenizer, trajs: list, temperature: float, max_new_tokens: int = 128,
+               batch: int = 64, seed: int = 0) -> dict:
+    """Does the objective pay for stopping early? At every round of ``trajs`` that searched, the two actions
+    at the SAME state: Q_go, the score the trajectory got by searching on, and Q_stop, the score of a branch
+    that keeps the round's context and ``<mem>`` span, then forces the answer action (``STOP_TEXT``) and lets
+    the policy write the answer at ``temperature``; scored by ``outcome_reward`` over the rounds before it plus
+    the branch round, as training scores a trajectory. Returns the means overall, by round and by the answers
+    the round's ``<mem>`` already held; ``stop_better`` is the share of states where Q_stop > Q_go.
+
+    A policy that learns to answer early is right to if Q_stop >= Q_go where it stops; if Q_stop < Q_go at
+    every round with answers still missing, early answers are the optimizer's noise, not the objective's."""
+    stop_ids = tokenizer.encode(STOP_TEXT, add_special_tokens=False)
+    states = []                                         # (traj, round index, prompt ids)
+    for t in trajs:
+        for i, r in enumerate(t.rounds):
+            if r.action == "search" and r.mem_end:
+                states.append((t, i, r.context_ids + r.round_ids[:r.mem_end] + stop_ids))
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    outs = []
+    for j in range(0, len(states), batch):
+        outs += generate(model, [s[2] for s in states[j:j + batch]], max_new_tokens, pad_id=tokenizer.pad_token_id,
+                         eos_id=tokenizer.eos_token_id, stops=stop_strings(tokenizer), temperature=temperature,
+                         generator=gen if temperature > 0 else None)
+    rows = []
+    for (t, i, ids), out in zip(states, outs):
+        r = t.rounds[i]
+        head = r.round_ids[:r.mem_end]
+        text = cut_at_stop(tokenizer.decode(head + stop_ids + out))
+        kind, body = parse_action(text)
+        branch = Trajectory(t.question, t.golds, t.group_id, t.prompt_ids, [],
+                            t.rounds[:i] + [Round(r.context_ids, r.prefix_ids, r.output_ids, text, r.mem_end, kind)],
+                            body if kind == "answer" else None, True)
+        mem_text = extract_mem(tokenizer.decode(head)) or ""
+        rows.append({"round": i + 1, "held": held_answers(mem_text, t.golds), "k": len(t.golds),
+                     "q_stop": outcome_reward(branch)["score"], "q_go": outcome_reward(t)["score"]})
+
+    def agg(rs):
+        n = len(rs)
+        return {"n": n, "q_stop": sum(r["q_stop"] for r in rs) / n, "q_go": sum(r["q_go"] for r in rs) / n,
+                "stop_better": sum(r["q_stop"] > r["q_go"] for r in rs) / n}
+    if not rows:
+        return {"n": 0}
+    by_round = {str(k): agg([r for r in rows if r["round"] == k]) for k in sorted({r["round"] for r in rows})}
+    by_missing = {str(m): agg([r for r in rows if r["k"] - r["held"] == m])
+                  for m in sorted({r["k"] - r["held"] for r in rows})}
+    return {**agg(rows), "by_round": by_round, "by_missing": by_missing}
+
+
+def print_stop_value(res: dict, title: str = "") -> None:
+    """``stop_value``'s table: rows by the answers still missing from the round's <mem>, then by round."""
+    if title:
+        print(title)
+    print("state          n   Q_stop     Q_go  stop>go")
+    for name, part in (("missing", res.get("by_missing", {})), ("round", res.get("by_round", {}))):
+        for k, r in part.items():
+            print(f"{name} {k:<6} {r['n']:6d} {r['q_stop']:8.3f} {r['q_go']:8.3f} {r['stop_better']:8.3f}")
+    if res.get("n"):
+        print(f"all          {res['n']:6d} {res['q_stop']:8.3f} {res['q_go']:8.3f} {res['stop_better']:8.3f}")
+
+
+
 def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:
     """``--show`` / ``--viz`` / ``--question``: greedy episodes printed round by round (viz.format_episode) and
     / or written as one page (viz.write_page), with each round's P_full / P_mem as the run's reward saw them."""
@@ -434,6 +513,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --data: MEM1-style K-objective questions joined from the file's, one table row per K")
     p.add_argument("--system-prompt", default="", help="text file with the system prompt (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (the reported eval); e.g. 1 with --max-turns 16: RL's own objective, sampled")
+    p.add_argument("--stop-value", action="store_true",
+                   help="at every round that searched: Q_stop (force the answer now) vs Q_go (search on), per K")
     p.add_argument("--show", type=int, default=0, metavar="N",
                    help="print N held-out episodes (the first --objectives K) round by round instead of the table")
     p.add_argument("--viz", default="", metavar="FILE",
@@ -473,19 +556,29 @@ def main(argv=None) -> None:
             prompt = f.read().strip()
     if args.show or args.viz or args.question:
         return show_episodes(model, tokenizer, prompt, args, (a, b))
+    if args.stop_value:
+        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt, args.temperature)
+        out = {}
+        for k in args.objectives:
+            tasks, tool = embedded_tasks(k, args.tasks, args.seed, args.split, (a, b))
+            trajs = run_episodes(model, tokenizer, tasks, tool, agent)
+            out[str(k)] = stop_value(model, tokenizer, trajs, args.temperature, args.max_new_tokens, seed=args.seed)
+            print_stop_value(out[str(k)], f"K={k}  T={args.temperature}  max_turns={args.max_turns}")
+        print(json.dumps({"checkpoint": args.checkpoint, "temperature": args.temperature, "stop_value": out}))
+        return
     if args.data:
         if not args.corpus:
             raise SystemExit("--data needs --corpus")
         tasks, tool = data.load_qa(args.data), SearchTool(data.load_corpus(args.corpus))
         sets = {k: data.compose_tasks(tasks, k, args.seed) for k in args.compose} or {"all": tasks}
-        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
+        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt, args.temperature)
         bar = progress_bar(sum(len(t) for t in sets.values()))
         results = {k: evaluate(model, tokenizer, t, tool, agent, bar=bar) for k, t in sets.items()}
         bar.close()
     else:
         results = evaluate_embedded(model, tokenizer, args.objectives, args.tasks, args.seed, args.split,
                                     args.context, args.max_turns, (a, b), args.max_new_tokens, progress=True,
-                                    system_prompt=prompt)
+                                    system_prompt=prompt, temperature=args.temperature)
     print_table(results, f"{args.checkpoint}  context={args.context}  max_turns={args.max_turns}")
     out = {"checkpoint": args.checkpoint, "context": args.context, "max_turns": args.max_turns,
            "results": {str(k): v for k, v in results.items()}}

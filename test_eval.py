@@ -6,7 +6,7 @@ import pytest
 import data
 from eval import mean_ci, memory_diagnostics, summarize
 from memory import Record, tool_record
-from rollout import Round, SearchTool, Trajectory, parse_action
+from rollout import AgentConfig, Round, SearchTool, Trajectory, parse_action
 
 
 def replay(task, tool, gid, forget=False):
@@ -200,3 +200,37 @@ def test_probe_by_found_labels_match_the_expert_and_probabilities_match_a_direct
     r = m["scored"].index((0, 2))
     assert math.exp(m["word_logp_full"][r, 1].item()) == pytest.approx(direct, rel=1e-5)
     assert torch.isfinite(m["word_logp_mem"]).all()
+
+
+def test_stop_value_branches_every_search_round_with_the_answer_action(expert_rollout):
+    """Q_go = the trajectory's own score (the expert's: 1); Q_stop = a branch at the same state forced to answer,
+    scored as training scores it: here the branch model writes the full gold (1) or only objective 1 (0.5)."""
+    import conftest
+    from eval import STOP_TEXT, held_answers, stop_value
+    w, tasks = data.make_tasks(5, 3, [2], (1, 3))
+    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=12, max_new_tokens=60, temperature=0.0)
+    trajs, tok = expert_rollout(tasks, SearchTool(w.docs), cfg)
+    searches = [sum(r.action == "search" for r in t.rounds) for t in trajs]
+    inner = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
+    for golds, want in ((lambda t: " ; ".join(g[0] for g in t.golds), 1.0), (lambda t: t.golds[0][0], 0.5)):
+        tape = [i for t, n in zip(trajs, searches) for _ in range(n)
+                for i in tok.encode(f" {golds(t)} </answer>", add_special_tokens=False)]
+        res = stop_value(conftest.ExpertTape(inner, tape), tok, trajs, temperature=0.0, batch=1)
+        assert res["n"] == sum(searches) and res["q_go"] == 1.0
+        assert res["q_stop"] == want and res["stop_better"] == 0.0
+        assert sum(r["n"] for r in res["by_missing"].values()) == res["n"]
+        assert [int(k) for k in res["by_round"]] == list(range(1, max(searches) + 1))
+    # the answers a round's <mem> holds: none before the first search result, all of them in the answer round
+    assert held_answers("", tasks[0].golds) == 0
+    last = trajs[0].rounds[-1].text
+    assert held_answers(last.split("</mem>")[0].replace("<mem>", ""), tasks[0].golds) == 2
+    assert STOP_TEXT in last
+
+
+def test_summarize_reports_the_early_answer_share(expert_rollout):
+    w, tasks = data.make_tasks(6, 4, [2], (1, 3))
+    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=12, max_new_tokens=60, temperature=0.0)
+    trajs, _ = expert_rollout(tasks, SearchTool(w.docs), cfg)
+    assert summarize(trajs)["early"] == 0.0 and summarize(trajs)["f1"] == 1.0
+    trajs[0].rounds = trajs[0].rounds[:1] + trajs[0].rounds[-1:]        # one search, then the answer
+    assert summarize(trajs)["early"] == 0.25

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
 import grpo
+import reward
 import rollout
 import sft
 import train
@@ -74,6 +75,38 @@ def test_rl_step_logs_finite_metrics_and_updates_only_when_not_skipped(sft_run):
         updated += changed
         json.dumps(m)
     assert updated >= 1, "every step was skipped: nothing above tested an update"
+
+
+def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
+    """Policy-gradient sanity (issue 24): sampled rollouts of the trained policy, MemPO's advantages as rl_step
+    builds them, one AdamW step at a small lr; re-scored on the same batch, sum(A * log pi) over the loss tokens
+    must rise (first order: AdamW's first step moves each weight by lr * sign(grad), so the change is
+    lr * sum|grad| > 0). A sign error, a misplaced advantage or a mask that hides the sampled tokens fails it."""
+    from grpo import collate, token_advantages, token_logprobs
+    from reward import memory_rewards, outcome_reward
+    model, tok = load(sft_run / "final")
+    cfg = train.parse_args(["--lr", "1e-5"])
+    _, tasks = data.make_tasks(21, 6, [2], (1, 3))
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=8, max_new_tokens=60, temperature=1.0)
+    torch.manual_seed(0)
+    trajs = rollout.rollout(model.eval(), tok, tasks, 4, SearchTool(data.make_tasks(21, 6, [2], (1, 3))[0].docs), agent)
+    gids = torch.tensor([t.group_id for t in trajs])
+    adv_t = grpo.grouped_advantage(torch.tensor([outcome_reward(t)["score"] for t in trajs]), gids)
+    mem = memory_rewards(model, tok, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask, think=cfg.probe_think)
+    mem_adv = grpo.memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
+    samples = train.build_samples(trajs, adv_t, mem, mem_adv)
+    assert any(s.adv_t != 0 or s.adv_m != 0 for s in samples), "no signal in the batch: nothing to test"
+
+    def surrogate():
+        x = collate(samples, tok.pad_token_id, "cpu")
+        adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"], cfg.mem_weight)
+        with torch.no_grad():
+            return (adv * token_logprobs(model, x["ids"], x["attn"], cfg.temperature)).sum().item()
+    before = surrogate()
+    m = train.ppo_update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0),
+                         samples, cfg, tok.pad_token_id)
+    assert "skipped" not in m
+    assert surrogate() > before
 
 
 def hand_built_samples(n=6, seed=0):
@@ -427,11 +460,11 @@ def test_early_answer_counts_searches_against_the_question_s_hops(expert_rollout
     w, tasks = data.make_tasks(4, 4, [2], (1, 3))
     cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=12, max_new_tokens=60, temperature=0.0)
     trajs, _ = expert_rollout(tasks, SearchTool(w.docs), cfg)
-    assert [train.early_answer(t) for t in trajs] == [0.0] * 4        # the expert searches once per hop
+    assert [reward.early_answer(t) for t in trajs] == [0.0] * 4        # the expert searches once per hop
     t = trajs[0]
     t.rounds = t.rounds[:1] + t.rounds[-1:]                            # one search, then the answer
-    assert train.early_answer(t) == 1.0
+    assert reward.early_answer(t) == 1.0
     t.rounds = t.rounds[:1]                                            # no answer at all: not early
-    assert train.early_answer(t) == 0.0
+    assert reward.early_answer(t) == 0.0
     t.question = "who founded the city?"                               # a real question: hops unknown
-    assert train.early_answer(t) is None
+    assert reward.early_answer(t) is None

@@ -70,7 +70,7 @@ import dist
 import viz
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, micro_batches, policy_loss,
                   token_advantages, token_logprobs)
-from reward import MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, outcome_reward
+from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
 from rollout import AgentConfig, SearchTool, autocast, checkpoint_prompt, load_model, rollout
 from sft import cold_start, held_out_f1
 
@@ -253,17 +253,6 @@ def build_samples(trajs, adv_t: torch.Tensor, mem: dict | None, mem_adv: list[li
             samples.append(Sample(r.context_ids + r.round_ids, len(r.context_ids) + len(r.prefix_ids),
                                   r.mem_end, len(r.prefix_ids), float(adv_t[i]), round_adv.get(r_idx, 0.0), i))
     return samples
-
-
-def early_answer(traj) -> float | None:
-    """1.0 if ``traj`` answered after fewer searches than its question has hops, else 0.0; None when the
-    question's hops are unknown (a real QA file). The embedded world's K-objective question has one ``_`` slot
-    per hop, and its expert searches exactly once per hop."""
-    hops = traj.question.count(" _")
-    if not hops:
-        return None
-    answered = bool(traj.rounds) and traj.rounds[-1].action == "answer"
-    return float(answered and sum(r.action == "search" for r in traj.rounds) < hops)
 
 
 def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config) -> dict[str, list]:
