@@ -12,6 +12,7 @@ the loss; a missing package stops with one line saying what to install.
 import json
 import os
 import random
+import shutil
 from unittest import mock
 
 import pytest
@@ -242,6 +243,7 @@ def test_one_rl_step_moves_the_weights_and_saves_checkpoints_that_load_back(smol
     assert all(torch.equal(a, b) for a, b in zip(ckpt.parameters(), final.parameters()))
     assert (run / "ckpt" / "trainer.pt").exists() and "quantization_config" not in json.load(open(run / "final" / "config.json"))
     assert tok2.chat_template == tok.chat_template and rollout.checkpoint_prompt(ev.checkpoint_dir(str(run))) == SHORT_PROMPT
+    shutil.rmtree(run)                      # 2.2 GB (ckpt/ holds AdamW's state); pytest keeps 3 sessions' tmp
 
 
 def test_sft_on_exported_trajectories_lowers_the_loss(smol, exported, tmp_path):
@@ -262,3 +264,4 @@ def test_sft_on_exported_trajectories_lowers_the_loss(smol, exported, tmp_path):
         before, after = sft.sft_loss(model, x, n).item(), sft.sft_loss(after.eval(), x, n).item()
     assert after < 0.8 * before, (before, after)
     assert (run / "final" / "model.safetensors").exists() and open(run / "final" / "system_prompt.txt").read() == SHORT_PROMPT
+    shutil.rmtree(run)                      # 1.1 GB: sft/ and final/
