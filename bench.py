@@ -3,6 +3,7 @@
     python bench.py                 # CPU, tiny default model (a few minutes)
     python bench.py --quick         # CPU, fewer repeats and shorter rounds (under 3 minutes)
     python bench.py --device cuda --model-shape qwen2.5-0.5b     # a random Qwen2.5-0.5B-shaped model, bf16
+    python bench.py --model smollm2  # figures 1-3 on a real pretrained model (or a folder, a .gguf file): ~4 min
 
 Every speed figure is a ratio of two things timed in the same run, interleaved (A, B, A, B, ...),
 the median of ``--repeats`` repeats, with the absolute numbers beside it:
@@ -78,7 +79,7 @@ import data
 import grpo
 import rollout as engine
 import train
-from memory import Record, mem_traj, prepare_prompt, tool_record
+from memory import Record, mem_token_end, mem_traj, prepare_prompt, tool_record
 from reward import answer_logprobs, answer_template
 from rollout import PROTOCOL_PROMPT, AgentConfig, SearchTool, encode_chat, generate, left_pad, question_prefix
 
@@ -196,10 +197,10 @@ def naive_rollout(*args, **kwargs):
 
 # --------------------------------------------------------------------------- the six figures
 
-def bench_decode(model, tok, device, n_new: int, repeats: int) -> dict:
+def bench_decode(model, tok, device, n_new: int, repeats: int, batch: int = 64) -> dict:
     """Figure 1: tokens/s of ``generate`` vs ``model.generate`` (B=64, sampling), and greedy parity."""
     rng = random.Random(0)
-    prompts = [[rng.randrange(5, len(tok)) for _ in range(rng.randint(8, 64))] for _ in range(64)]
+    prompts = [[rng.randrange(5, len(tok)) for _ in range(rng.randint(8, 64))] for _ in range(batch)]
     pad = tok.pad_token_id
     seeds = iter(range(10**6))
 
@@ -257,16 +258,41 @@ def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: 
     return res
 
 
-def bench_scoring(model, tok, device, trajs, repeats: int, budgets=(65536, 8192)) -> dict:
-    """Figure 3: one ``answer_logprobs`` call over 2N contexts vs two calls over N, per token budget."""
+def scoring_pairs(tok, trajs) -> tuple[list, list, list]:
+    """(full_traj, mem_traj, answer ids) of every round >= 2 with a ``<mem>`` span: what ``memory_rewards`` scores."""
     scored = [(t, r) for t in trajs for i, r in enumerate(t.rounds) if i >= 1 and r.mem_end > 0]
-    if not scored:
+    return ([r.context_ids for _, r in scored], [mem_traj(t.prompt_ids, r.round_ids, r.mem_end) for t, r in scored],
+            [answer_template(tok, t.golds)[0] for t, _ in scored])
+
+
+def expert_pairs(tok, n: int, system_prompt: str) -> tuple[list, list, list]:
+    """``scoring_pairs`` of ``n`` expert rounds >= 2 (K = 2, 1-2 hops) under ``system_prompt``, rendered as the agent
+    loop renders them: for a model from elsewhere, whose own zero-shot rounds hold no ``<mem>`` span to score."""
+    world, tasks = data.make_tasks(11, n, [2], (1, 2))
+    tool, prefix = SearchTool(world.docs), tok.encode("<mem>", add_special_tokens=False)
+    full, mem, ans = [], [], []
+    for task in tasks:
+        records = [Record("prompt", task.question)]
+        prompt_ids = encode_chat(tok, prepare_prompt(records, system_prompt))
+        for t, (text, query) in enumerate(data.expert_episode(task)):
+            if t >= 1 and len(full) < n:
+                round_ids = prefix + tok.encode(text[len("<mem>"):], add_special_tokens=False)
+                full.append(encode_chat(tok, prepare_prompt(records, system_prompt)))
+                mem.append(mem_traj(prompt_ids, round_ids, mem_token_end(tok, round_ids)))
+                ans.append(answer_template(tok, task.golds)[0])
+            records.append(Record("llm_gen", text))
+            if query is not None:
+                records.append(tool_record("search_results", tool.search(" ".join(query))))
+    return full, mem, ans
+
+
+def bench_scoring(model, tok, device, pairs: tuple[list, list, list], repeats: int, budgets=(65536, 8192)) -> dict:
+    """Figure 3: one ``answer_logprobs`` call over the 2N contexts of ``pairs`` vs two calls over N, per token budget."""
+    full, mem, ans = pairs
+    if not full:
         return {"n": 0}
-    full = [r.context_ids for _, r in scored]
-    mem = [mem_traj(t.prompt_ids, r.round_ids, r.mem_end) for t, r in scored]
-    ans = [answer_template(tok, t.golds)[0] for t, _ in scored]
     pad = tok.pad_token_id
-    res = {"n": len(scored)}
+    res = {"n": len(full)}
     for b in budgets:        # 8192 = memory_rewards' default token budget
         out = {}
         def one():
@@ -275,7 +301,7 @@ def bench_scoring(model, tok, device, trajs, repeats: int, budgets=(65536, 8192)
         def two():
             out["two"] = answer_logprobs(model, full, ans, pad, b) + answer_logprobs(model, mem, ans, pad, b)
 
-        t = side_by_side({"one_2n": one, "two_n": two}, 5 * repeats, device)     # a call is short: more repeats
+        t = side_by_side({"one_2n": one, "two_n": two}, repeats, device)
         diff = max((x - y).abs().max().item() for x, y in zip(out["one"], out["two"]))
         res[b] = {"one_2n_s": t["one_2n"], "two_n_s": t["two_n"], "speedup": t["two_n"] / t["one_2n"],
                   "max_abs_diff": diff}
@@ -406,6 +432,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--protocol-checkpoint", default="",
                    help="figure 2's policy under the protocol prompt: the checkpoint adapted to it (default "
                         "runs/bench_protocol/final; --quick without it: runs/bench_quick_protocol/final; made on first use)")
+    p.add_argument("--model", default="",
+                   help="a model from elsewhere: a model folder, a .gguf file or smollm2 (SmolLM2-135M-Instruct): "
+                        "figures 1-3 only, at the sizes of REAL_SIZES (a few minutes on one CPU thread)")
     p.add_argument("--model-shape", default="tiny", choices=["tiny", "qwen2.5-0.5b"],
                    help="tiny: the checkpoint; qwen2.5-0.5b: a random model of that shape (bf16 on CUDA)")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats per figure (default 5, quick 3)")
@@ -430,7 +459,7 @@ def figures(args, device: torch.device, repeats: int) -> dict:
         ro_own = (bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens, own_prompt, greedy=False)
                   if own_prompt != PROTOCOL_PROMPT else None)
         trajs = (ro_own or ro).pop("trajs")       # one sampled 8x8 rollout: scored in 3, collated in 6
-        sc = bench_scoring(model, tok, device, trajs, repeats)
+        sc = bench_scoring(model, tok, device, scoring_pairs(tok, trajs), 5 * repeats)   # a call is short: more repeats
         pad = bench_padding(trajs, cfg)
         st = bench_train_step(model, tok, device, args.train_steps or (1 if args.quick else 2))   # before 4: peak RSS
         cx = bench_context(model, tok, device, repeats, args.quick)
@@ -438,6 +467,67 @@ def figures(args, device: torch.device, repeats: int) -> dict:
     pr = bench_processes(model, tok, source, device, procs, args.proc_steps or (3 if args.quick else 4))
     return dict(dec=dec, ro=ro, ro_own=ro_own, sc=sc, pad=pad, st=st, cx=cx, pr=pr, procs=procs, n_new=n_new,
                 source=source, p_source=p_source, micro_tokens=cfg.micro_tokens)
+
+
+# --model: figures 1-3 sized for a 135M model on one CPU thread (SmolLM2: ~4 minutes with the load; 1 repeat =
+# one warm-up + 1 timed run of each side). decode: B prompts of 8-64 random tokens; rollout: Q questions x G
+# rollouts of the RL distribution under the protocol prompt; scoring: N expert rounds (2N contexts).
+REAL_SIZES = dict(batch=16, new_tokens=32, questions=2, group=4, max_new_tokens=32, max_turns=2, pairs=4)
+
+
+def real_model_figures(args, device: torch.device, repeats: int) -> dict:
+    """Figures 1-3 on a model from elsewhere (``--model``), at ``REAL_SIZES``.
+
+    1 as above at batch ``batch``. 2: the protocol prompt; a zero-shot model answers in prose, so a trajectory is
+    one round and the prefix cache has no later round to save: the ratio to the naive loop is what identical
+    prompts prefilled once and finished rows leaving the batch buy. 3: such a model writes no ``<mem>`` span to
+    score, so the 2N contexts come from expert rounds rendered under the protocol prompt (``expert_pairs``), at
+    the default budget (on CPU both budgets are capped at ``reward.CPU_TOKENS``)."""
+    z = REAL_SIZES
+    model, tok = engine.load_pretrained(args.model, device)
+    model.eval()
+    cfg = replace(train.parse_args([]), questions=z["questions"], group=z["group"], max_turns=z["max_turns"])
+    with engine.autocast(cfg.precision, device):
+        dec = bench_decode(model, tok, device, z["new_tokens"], repeats, batch=z["batch"])
+        ro = bench_rollout(model, tok, device, cfg, repeats, z["max_new_tokens"], PROTOCOL_PROMPT)
+        ro.pop("trajs")
+        sc = bench_scoring(model, tok, device, expert_pairs(tok, z["pairs"], PROTOCOL_PROMPT), repeats, (8192,))
+    return dict(dec=dec, ro=ro, sc=sc, source=args.model)
+
+
+def print_real_table(f: dict, device: torch.device, repeats: int) -> None:
+    dec, ro, sc, z = f["dec"], f["ro"], f["sc"], REAL_SIZES
+    print(f"# python bench.py --model {f['source']}  device={device}  threads={torch.get_num_threads()}  "
+          f"repeats={repeats}  {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'figure':44s} {'ours':>10s} {'reference':>10s} {'ratio':>6s}")
+    row = lambda name, a, b, r, note: print(f"{name:44s} {a:10.3f} {b:10.3f} {r:6.2f}   {note}")
+    row(f"1 decode tok/s (B={z['batch']}, {z['new_tokens']} new, T=1)", dec["ours_tok_s"], dec["hf_tok_s"],
+        dec["speedup"], f"vs model.generate; greedy parity {dec['greedy_parity']}")
+    for key, temp in (("sampled", "T=1"), ("greedy", "T=0")):
+        x = ro[key]
+        row(f"2 rollout traj/s ({z['questions']} x G={z['group']}, {temp})", x["on_traj_s"], x["naive_traj_s"],
+            x["speedup"], f"protocol prompt ({ro['prefix_tokens']:.0f}-token prefix) vs model.generate per round; cache "
+            f"off {x['off_traj_s']:.3f} traj/s, on/off {x['on_vs_off']:.2f}; rounds/traj {x['rounds_on']:.2f}"
+            + (f"; identical trajectories {x['identical']}" if "identical" in x else ""))
+    if sc["n"]:
+        x = sc[8192]
+        row(f"3 scoring s, 2N={2 * sc['n']} expert contexts", x["one_2n_s"], x["two_n_s"], x["speedup"],
+            f"one 2N pass vs two N passes; max |dlogp| {x['max_abs_diff']:.1e}")
+
+
+def real_summary(f: dict, device: torch.device, repeats: int, seconds: float) -> dict:
+    """The JSON line of ``--model``: the three ratios, then the numbers behind them."""
+    dec, ro, sc, r3 = f["dec"], f["ro"], f["sc"], lambda x: round(x, 3)
+    return {"decode_speedup": r3(dec["speedup"]), "rollout_speedup": r3(ro["sampled"]["speedup"]),
+            "rollout_greedy_speedup": r3(ro["greedy"]["speedup"]),
+            "scoring_speedup": r3(sc[8192]["speedup"]) if sc["n"] else None,
+            "decode_tok_s": {"ours": r3(dec["ours_tok_s"]), "hf": r3(dec["hf_tok_s"])},
+            "greedy_parity": dec["greedy_parity"], "rollout_greedy_identical": ro["greedy"]["identical"],
+            "rollout_traj_s": {k: r3(ro["sampled"][f"{k}_traj_s"]) for k in ("on", "off", "naive")},
+            "rollout_rounds_per_traj": r3(ro["sampled"]["rounds_on"]), "rollout_prefix_tokens": round(ro["prefix_tokens"]),
+            "scoring_s": {k: r3(sc[8192][k]) for k in ("one_2n_s", "two_n_s")} if sc["n"] else None,
+            "sizes": REAL_SIZES, "model": f["source"], "device": str(device), "threads": torch.get_num_threads(),
+            "repeats": repeats, "date": time.strftime("%Y-%m-%d"), "seconds": round(seconds)}
 
 
 def print_table(f: dict, args, device: torch.device, repeats: int) -> None:
@@ -525,6 +615,13 @@ def main(argv=None) -> None:
     repeats = args.repeats or (3 if args.quick else 5)
     device = torch.device(args.device)
     t_start = time.time()
+    if args.model:
+        repeats = args.repeats or 1
+        f = real_model_figures(args, device, repeats)
+        print_real_table(f, device, repeats)
+        print(f"# total {time.time() - t_start:.0f} s")
+        print(json.dumps(real_summary(f, device, repeats, time.time() - t_start)))
+        return
     f = figures(args, device, repeats)
     print_table(f, args, device, repeats)
     print(f"# total {time.time() - t_start:.0f} s")

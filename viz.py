@@ -50,13 +50,12 @@ import re
 import textwrap
 
 import torch
-from transformers import AutoTokenizer
 
 import data
 from grpo import grouped_advantage, memory_advantage, token_advantages
 from memory import extract_mem
 from reward import memory_rewards, outcome_reward
-from rollout import AgentConfig, SearchTool, checkpoint_prompt, load_model, parse_action, pick_device, rollout
+from rollout import AgentConfig, SearchTool, checkpoint_prompt, load_pretrained, parse_action, pick_device, rollout
 
 THINK_RE = re.compile(r"<think>(.*?)</think>", re.S)
 RULE_RE = re.compile(r"^(rule \d+)")
@@ -422,8 +421,8 @@ def main(argv=None) -> None:
     p.add_argument("--show", type=int, default=0, help="print this many episodes as text (format_episode)")
     args = p.parse_args(argv)
     if args.checkpoint:
-        model = load_model(args.checkpoint, pick_device("auto")).eval()
-        tokenizer, prompt = AutoTokenizer.from_pretrained(args.checkpoint), checkpoint_prompt(args.checkpoint)
+        model, tokenizer = load_pretrained(args.checkpoint, pick_device("auto"))
+        model, prompt = model.eval(), checkpoint_prompt(args.checkpoint)
     else:
         tokenizer, prompt = data.build_tokenizer(), data.SYSTEM_PROMPT
         model = data.build_tiny_model(tokenizer).eval()
