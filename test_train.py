@@ -87,7 +87,7 @@ def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
     model, tok = load(sft_run / "final")
     cfg = train.parse_args(["--lr", "1e-5"])
     _, tasks = data.make_tasks(21, 6, [2], (1, 3))
-    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=8, max_new_tokens=60, temperature=1.0)
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=8, max_new_tokens=60, temperature=cfg.temperature)
     torch.manual_seed(0)
     trajs = rollout.rollout(model.eval(), tok, tasks, 4, SearchTool(data.make_tasks(21, 6, [2], (1, 3))[0].docs), agent)
     gids = torch.tensor([t.group_id for t in trajs])
@@ -262,8 +262,8 @@ def test_faithful_sets_its_four_options():
 
 def test_train_context_reaches_the_rollout_agent():
     assert train.agent_config(train.parse_args(["--train-context", "full"])).context == "full"
-    agent = train.agent_config(train.parse_args(["--temperature", "0.7", "--max-turns", "3"]))
-    assert (agent.context, agent.temperature, agent.max_turns) == ("snail", 0.7, 3)
+    agent = train.agent_config(train.parse_args(["--temperature", "0.5", "--max-turns", "3"]))
+    assert (agent.context, agent.temperature, agent.max_turns) == ("snail", 0.5, 3)
     assert agent.prefix_cache and not train.agent_config(train.parse_args(["--no-prefix-cache"])).prefix_cache
 
 

@@ -124,11 +124,11 @@ class Config:
     # the SFT's K and hops: RL on 2-4 / 1-2 taught 3-hop K=1 episodes to answer after 2 hops
     rl_objectives: str = flag("1-4", "objective counts K of RL questions")
     rl_hops: str = flag("1-3", "hops per objective in RL")
-    lr: float = flag(1e-4, "RL learning rate")
+    lr: float = flag(1e-5, "RL learning rate (1e-4 lowered its SFT start: results/STUDIES.md, issue 24)")
     train_context: str = flag("snail", "snail | full: the context RL rollouts see")
     max_turns: int = flag(16, "max rounds per training rollout")
     max_new_tokens: int = flag(96, "max tokens per round")
-    temperature: float = flag(1.0, "sampling temperature (also divides logits in the loss)")
+    temperature: float = flag(0.7, "sampling temperature of training rollouts (also divides logits in the loss)")
     prefix_cache: bool = flag(True, "prefill each question's system prompt + question once per step and reuse its KV"
                                     " cache in every round and rollout (--no-prefix-cache: every round prefills its "
                                     "whole prompt)")

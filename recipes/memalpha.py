@@ -76,6 +76,10 @@ class MemAlphaConfig(train.Config):
     """Mem-alpha: SFT cold start + GRPO over chunk steps."""
     run: str = flag("runs/memalpha", "output folder")
     algo: str = flag("memalpha", "memalpha (this recipe)")
+    # the step its results (results/MEMALPHA.md) were measured with; train.py's default moved to lr 1e-5 at T 0.7
+    # (issue 24) and is not yet re-measured on this recipe
+    lr: float = flag(1e-4, "RL learning rate")
+    temperature: float = flag(1.0, "sampling temperature of training rollouts")
     tokenizer: str = flag("word", "word (one token per word of the task, JSON glue as tokens) | bpe (byte-level "
                                   "BPE, --vocab)")
     sft_steps: int = flag(2200, "SFT cold-start steps (0 skips)")
