@@ -85,7 +85,7 @@ def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
     from grpo import collate, token_advantages, token_logprobs
     from reward import memory_rewards, outcome_reward
     model, tok = load(sft_run / "final")
-    cfg = train.parse_args(["--lr", "1e-5"])
+    cfg = train.parse_args(["--lr", "1e-5", "--temperature", "1"])     # at T 1 this batch has outcome signal
     _, tasks = data.make_tasks(21, 6, [2], (1, 3))
     agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=8, max_new_tokens=60, temperature=cfg.temperature)
     torch.manual_seed(0)
@@ -153,7 +153,7 @@ def _sgd_step(samples, cfg_args, seed=0):
     """Weights after one ppo_update with plain SGD at lr 1 and no clipping: old - new = the gradient."""
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, seed=seed)
-    cfg = train.parse_args(cfg_args + ["--grad-clip", "1e9"])
+    cfg = train.parse_args(cfg_args + ["--grad-clip", "1e9", "--temperature", "1"])   # the naive loss has no T
     before = [p.detach().clone() for p in model.parameters()]
     m = train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), samples, cfg, tok.pad_token_id)
     assert "skipped" not in m
