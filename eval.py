@@ -412,30 +412,32 @@ def stop_value(model, tokenizer, trajs: list, temperature: float, max_new_tokens
 
     A policy that learns to answer early is right to if Q_stop >= Q_go where it stops; if Q_stop < Q_go at
     every round with answers still missing, early answers are the optimizer's noise, not the objective's."""
-    stop_ids = tokenizer.encode(STOP_TEXT, add_special_tokens=False)
-    states = []                                         # (traj, round index, prompt ids)
+    stop_ids, stops = tokenizer.encode(STOP_TEXT, add_special_tokens=False), stop_strings(tokenizer)
+    states = []                                         # (traj, round index, its Q_go, the branch's prompt ids)
     for t in trajs:
+        q_go = outcome_reward(t)["score"]
         for i, r in enumerate(t.rounds):
             if r.action == "search" and r.mem_end:
-                states.append((t, i, r.context_ids + r.round_ids[:r.mem_end] + stop_ids))
+                states.append((t, i, q_go, r.context_ids + r.round_ids[:r.mem_end] + stop_ids))
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     outs = []
     for j in range(0, len(states), batch):
-        outs += generate(model, [s[2] for s in states[j:j + batch]], max_new_tokens, pad_id=tokenizer.pad_token_id,
-                         eos_id=tokenizer.eos_token_id, stops=stop_strings(tokenizer), temperature=temperature,
+        outs += generate(model, [s[3] for s in states[j:j + batch]], max_new_tokens, pad_id=tokenizer.pad_token_id,
+                         eos_id=tokenizer.eos_token_id, stops=stops, temperature=temperature,
                          generator=gen if temperature > 0 else None)
     rows = []
-    for (t, i, ids), out in zip(states, outs):
+    for (t, i, q_go, _), out in zip(states, outs):
         r = t.rounds[i]
         head = r.round_ids[:r.mem_end]
         text = cut_at_stop(tokenizer.decode(head + stop_ids + out))
         kind, body = parse_action(text)
-        branch = Trajectory(t.question, t.golds, t.group_id, t.prompt_ids, [],
-                            t.rounds[:i] + [Round(r.context_ids, r.prefix_ids, r.output_ids, text, r.mem_end, kind)],
+        branch_round = Round(r.context_ids, r.prefix_ids, (head + stop_ids + out)[len(r.prefix_ids):], text,
+                             r.mem_end, kind)
+        branch = Trajectory(t.question, t.golds, t.group_id, t.prompt_ids, [], t.rounds[:i] + [branch_round],
                             body if kind == "answer" else None, True)
         mem_text = extract_mem(tokenizer.decode(head)) or ""
         rows.append({"round": i + 1, "held": held_answers(mem_text, t.golds), "k": len(t.golds),
-                     "q_stop": outcome_reward(branch)["score"], "q_go": outcome_reward(t)["score"]})
+                     "q_stop": outcome_reward(branch)["score"], "q_go": q_go})
 
     def agg(rs):
         n = len(rs)
@@ -459,7 +461,6 @@ def print_stop_value(res: dict, title: str = "") -> None:
             print(f"{name} {k:<6} {r['n']:6d} {r['q_stop']:8.3f} {r['q_go']:8.3f} {r['stop_better']:8.3f}")
     if res.get("n"):
         print(f"all          {res['n']:6d} {res['q_stop']:8.3f} {res['q_go']:8.3f} {res['stop_better']:8.3f}")
-
 
 
 def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:
@@ -554,6 +555,7 @@ def main(argv=None) -> None:
                           "split": args.split, "context": args.context}))
         return
     model, tokenizer, prompt = load(args.checkpoint, device)
+    torch.manual_seed(args.seed)                    # --temperature > 0: the same sampled episodes on a rerun
     if args.system_prompt:
         with open(args.system_prompt, encoding="utf-8") as f:
             prompt = f.read().strip()
