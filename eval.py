@@ -463,6 +463,118 @@ def print_stop_value(res: dict, title: str = "") -> None:
         print(f"all          {res['n']:6d} {res['q_stop']:8.3f} {res['q_go']:8.3f} {res['stop_better']:8.3f}")
 
 
+def first_error(traj: Trajectory, task: data.Task, tokenizer) -> tuple[int, int, str, str | None] | None:
+    """Where an embedded-world episode first goes wrong: ``(round, index into the round's ids, kind, right word)``,
+    None when no word it generated contradicts the world. Kinds: ``memory`` (a ``<mem>`` word that is not the
+    world's at its path position, or a slot emptied that the previous ``<mem>`` held right; right word None when
+    the entry itself is malformed), ``query`` (a search word other than the pair before the first slot of the
+    round's own ``<mem>``), ``answer`` (an answer word not the gold). One token a word: the word tokenizer."""
+    truth = [[o.start] + [w for (_, r, x) in o.chain for w in (r, x)] for o in task.objectives]
+    prev: dict[int, list[str]] = {}
+    for ri, rd in enumerate(traj.rounds):
+        toks, gen_from = tokenizer.convert_ids_to_tokens(rd.round_ids), len(rd.prefix_ids)
+        mem: dict[int, list[str]] = {}
+        i = 0
+        while i < len(toks):
+            if toks[i] == "<mem>":
+                entry, i = None, i + 1
+                while i < len(toks) and toks[i] != "</mem>":
+                    w = toks[i]
+                    if w == ";":
+                        entry = None
+                    elif w.isdigit() and i + 1 < len(toks) and toks[i + 1] == "=":
+                        entry, i = int(w) - 1, i + 1
+                    elif entry is not None:
+                        pos = len(mem.setdefault(entry, []))
+                        mem[entry].append(w)
+                        path = truth[entry] if 0 <= entry < len(truth) else []
+                        if i >= gen_from:
+                            if pos >= len(path):
+                                return ri, i, "memory", None
+                            if w not in (data.SLOT, path[pos]) or (w == data.SLOT and prev.get(entry, [])[pos:pos + 1] == [path[pos]]):
+                                return ri, i, "memory", path[pos]
+                    i += 1
+            elif toks[i] == "<search>":
+                want = next((p[p.index(data.SLOT) - 2:p.index(data.SLOT)] for _, p in sorted(mem.items())
+                             if data.SLOT in p), [])
+                for j, w in enumerate(want if len(want) == 2 else []):
+                    if i + 1 + j < len(toks) and i + 1 + j >= gen_from and toks[i + 1 + j] != w:
+                        return ri, i + 1 + j, "query", w
+                i += 3
+            elif toks[i] == "<answer>":
+                a, i = 0, i + 1
+                while i < len(toks) and toks[i] != "</answer>":
+                    if toks[i] == ";":
+                        a += 1
+                    elif i >= gen_from and a < len(task.golds) and toks[i] not in task.golds[a]:
+                        return ri, i, "answer", task.golds[a][0]
+                    i += 1
+            else:
+                i += 1
+        prev = mem
+    return None
+
+
+@torch.no_grad()
+def decisions(model, other, tokenizer, trajs: list, tasks: list) -> dict:
+    """Does ``other`` (an RL checkpoint) fix ``model``'s (its SFT start's) greedy errors, and does it change the
+    choices ``model`` got right? On ``model``'s own greedy episodes, teacher-forced on their ids, so the two are
+    paired: at each failed episode's ``first_error``, log p(chosen) and log p(right) under both (``fixed``: other
+    prefers the right word there; ``margin_gain``: the mean rise of log p(right) - log p(chosen), by kind); on the
+    episodes ``model`` answers fully right, the generated tokens whose argmax other changes (``right_changed``:
+    each one can break a right episode)."""
+    def logp(m, ids):
+        return torch.log_softmax(m(torch.tensor([ids], device=next(m.parameters()).device)).logits[0].float(), -1)
+    points, changed, n_right = [], 0, 0
+    for t, task in zip(trajs, tasks):
+        if summarize([t])["f1"] >= 1.0:
+            for rd in t.rounds:
+                ids, start = rd.context_ids + rd.round_ids, len(rd.context_ids) + len(rd.prefix_ids)
+                if rd.output_ids:
+                    pred = logp(other, ids)[start - 1:len(ids) - 1].argmax(-1).cpu()
+                    changed += (pred != torch.tensor(rd.output_ids)).sum().item()
+                    n_right += len(rd.output_ids)
+            continue
+        err = first_error(t, task, tokenizer)
+        if err is None or err[3] is None:
+            points.append({"kind": err[2] if err else "none"})
+            continue
+        ri, ti, kind, word = err
+        rd = t.rounds[ri]
+        ids, chosen, right = rd.context_ids + rd.round_ids[:ti], rd.round_ids[ti], tokenizer.convert_tokens_to_ids(word)
+        a, b = logp(model, ids)[-1], logp(other, ids)[-1]
+        points.append({"kind": kind, "p_chosen": a[chosen].exp().item(), "p_right": a[right].exp().item(),
+                       "gain": (b[right] - b[chosen] - a[right] + a[chosen]).item(), "fixed": bool(b[right] > b[chosen])})
+    scored = [p for p in points if "gain" in p]
+    kinds = sorted({p["kind"] for p in points})
+    res = {"failed": len(points), "kinds": {k: sum(p["kind"] == k for p in points) for k in kinds},
+           "right_episodes": len(trajs) - len(points), "right_tokens": n_right, "right_changed": changed}
+    if scored:
+        med = lambda xs: sorted(xs)[len(xs) // 2]
+        res |= {"scored": len(scored), "p_chosen_median": med([p["p_chosen"] for p in scored]),
+                "p_right_median": med([p["p_right"] for p in scored]),
+                "fixed": sum(p["fixed"] for p in scored), "margin_gain": mean_ci([p["gain"] for p in scored]),
+                "by_kind": {k: {"n": len(ps), "fixed": sum(p["fixed"] for p in ps),
+                                "margin_gain": sum(p["gain"] for p in ps) / len(ps)}
+                            for k in kinds if (ps := [p for p in scored if p["kind"] == k])}}
+    return res
+
+
+def print_decisions(res: dict, title: str = "") -> None:
+    """``decisions``' lines: the first errors, what other does at them, and its changes on the right episodes."""
+    if title:
+        print(title)
+    print(f"failed episodes {res['failed']} (first error: {res['kinds']}); right episodes {res['right_episodes']}")
+    if res.get("scored"):
+        m, h = res["margin_gain"]
+        print(f"at the first errors: p(chosen) median {res['p_chosen_median']:.3f}, p(right) median "
+              f"{res['p_right_median']:.3f}; other fixes {res['fixed']} of {res['scored']}, log-odds toward the "
+              f"right word {m:+.3f} +- {h:.3f}")
+        for k, v in res["by_kind"].items():
+            print(f"  {k:<7} n {v['n']:3d}  fixed {v['fixed']:3d}  margin gain {v['margin_gain']:+.3f}")
+    print(f"on the right episodes: other changes {res['right_changed']} of {res['right_tokens']} greedy tokens")
+
+
 def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:
     """``--show`` / ``--viz`` / ``--question``: greedy episodes printed round by round (viz.format_episode) and
     / or written as one page (viz.write_page), with each round's P_full / P_mem as the run's reward saw them."""
@@ -521,6 +633,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="0 = greedy (the reported eval); e.g. 1 with --max-turns 16: RL's own objective, sampled")
     p.add_argument("--stop-value", action="store_true",
                    help="at every round that searched: Q_stop (force the answer now) vs Q_go (search on), per K")
+    p.add_argument("--decisions", default="", metavar="RUN",
+                   help="RUN (e.g. the RL run of this SFT checkpoint) on this checkpoint's greedy episodes: does it fix "
+                        "their first errors, does it change their right choices (embedded world, word tokenizer)")
     p.add_argument("--show", type=int, default=0, metavar="N",
                    help="print N held-out episodes (the first --objectives K) round by round instead of the table")
     p.add_argument("--viz", default="", metavar="FILE",
@@ -570,6 +685,15 @@ def main(argv=None) -> None:
             out[str(k)] = stop_value(model, tokenizer, trajs, args.temperature, args.max_new_tokens, seed=args.seed)
             print_stop_value(out[str(k)], f"K={k}  T={args.temperature}  max_turns={args.max_turns}")
         print(json.dumps({"checkpoint": args.checkpoint, "temperature": args.temperature, "stop_value": out}))
+        return
+    if args.decisions:
+        other, out = load(args.decisions, device)[0], {}
+        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
+        for k in args.objectives:
+            tasks, tool = embedded_tasks(k, args.tasks, args.seed, args.split, (a, b))
+            out[str(k)] = decisions(model, other, tokenizer, run_episodes(model, tokenizer, tasks, tool, agent), tasks)
+            print_decisions(out[str(k)], f"K={k}: {args.decisions} on {args.checkpoint}'s greedy episodes")
+        print(json.dumps({"checkpoint": args.checkpoint, "other": args.decisions, "decisions": out}))
         return
     if args.data:
         if not args.corpus:

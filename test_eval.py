@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 import data
 from eval import mean_ci, memory_diagnostics, summarize
@@ -234,3 +235,87 @@ def test_summarize_reports_the_early_answer_share(expert_rollout):
     assert summarize(trajs)["early"] == 0.0 and summarize(trajs)["f1"] == 1.0
     trajs[0].rounds = trajs[0].rounds[:1] + trajs[0].rounds[-1:]        # one search, then the answer
     assert summarize(trajs)["early"] == 0.25
+
+
+def _replace_token(traj, i, pos, word, tok):
+    """``traj`` with round i's token at ``pos`` (an index into the round's ids, past the forced prefix) = ``word``."""
+    r = traj.rounds[i]
+    out = list(r.output_ids)
+    out[pos - len(r.prefix_ids)] = tok.convert_tokens_to_ids(word)
+    rounds = list(traj.rounds)
+    rounds[i] = Round(r.context_ids, r.prefix_ids, out, tok.decode(r.prefix_ids + out), r.mem_end, r.action)
+    return Trajectory(traj.question, traj.golds, traj.group_id, traj.prompt_ids, traj.records, rounds, traj.answer,
+                      True)
+
+
+def test_first_error_names_the_first_wrong_word_of_each_kind():
+    """Hand-made cases on an expert episode (2 objectives x 2 hops): the expert's own episode has no error; one
+    word changed is found at its round and token with the world's word: a wrong <mem> name, an emptied slot the
+    previous <mem> held, a wrong search relation, a wrong answer; of two changes the earlier one counts."""
+    from eval import first_error
+    tok = data.build_tokenizer()
+    w, tasks = data.make_tasks(7, 1, [2], (2, 2))
+    task, tool = tasks[0], SearchTool(w.docs)
+    traj = real_replay(tok, task, tool, 0)
+    assert first_error(traj, task, tok) is None
+    (s0, r1, o1), (_, r2, o2) = task.objectives[0].chain
+    toks = lambda i: tok.convert_ids_to_tokens(traj.rounds[i].round_ids)
+    other = next(n for n in data.name_pool() if n not in (o1, o2, s0))
+    # round 2 (index 1) writes o1 into entry 1: a wrong name there
+    p = toks(1).index(o1)
+    assert first_error(_replace_token(traj, 1, p, other, tok), task, tok) == (1, p, "memory", o1)
+    # round 3 (index 2) empties the slot round 2 filled: forgotten
+    p = toks(2).index(o1)
+    assert first_error(_replace_token(traj, 2, p, data.SLOT, tok), task, tok) == (2, p, "memory", o1)
+    # round 1 searches "s0 r1": a wrong relation
+    p = toks(0).index("<search>") + 2
+    wrong_rel = next(r for r in data.RELATIONS if r != r1)
+    assert first_error(_replace_token(traj, 0, p, wrong_rel, tok), task, tok) == (0, p, "query", r1)
+    # the answer round's first answer word
+    last = len(traj.rounds) - 1
+    p = toks(last).index("<answer>") + 1
+    bad = _replace_token(traj, last, p, other, tok)
+    assert first_error(bad, task, tok) == (last, p, "answer", task.golds[0][0])
+    # two changes: the earlier round's counts
+    both = _replace_token(_replace_token(traj, 1, toks(1).index(o1), other, tok), last, p, other, tok)
+    assert first_error(both, task, tok)[:3] == (1, toks(1).index(o1), "memory")
+
+
+def test_decisions_pairs_the_two_models_on_the_same_ids():
+    """``decisions(model, other)``: on a fully right episode, the tokens where other's argmax differs from the
+    episode's equal a naive per-prefix count; at a failed episode's first error, other = model gains 0 and
+    'fixes' it exactly when the model already prefers the right word; another model's gain is its own log-odds
+    minus the model's."""
+    from eval import decisions
+    tok = data.build_tokenizer()
+    w, tasks = data.make_tasks(8, 2, [2], (1, 2))
+    tool = SearchTool(w.docs)
+    right = real_replay(tok, tasks[0], tool, 0)
+    right.answer = parse_action(right.rounds[-1].text)[1]
+    wrong = real_replay(tok, tasks[1], tool, 1)
+    last = len(wrong.rounds) - 1
+    p = tok.convert_ids_to_tokens(wrong.rounds[last].round_ids).index("<answer>") + 1
+    name = next(n for n in data.name_pool() if n != tasks[1].golds[0][0])
+    wrong = _replace_token(wrong, last, p, name, tok)
+    wrong.answer = parse_action(wrong.rounds[last].text)[1]
+    m1 = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
+    m2 = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=1).eval()
+    res = decisions(m1, m2, tok, [right, wrong], tasks)
+    naive = 0
+    with torch.no_grad():
+        for r in right.rounds:
+            for j, t in enumerate(r.output_ids):
+                ids = r.context_ids + r.prefix_ids + r.output_ids[:j]
+                naive += int(m2(torch.tensor([ids])).logits[0, -1].argmax().item() != t)
+    assert res["right_episodes"] == 1 and res["failed"] == 1 and res["kinds"] == {"answer": 1}
+    assert res["right_tokens"] == sum(len(r.output_ids) for r in right.rounds) and res["right_changed"] == naive
+    r = wrong.rounds[last]
+    ids = r.context_ids + r.round_ids[:p]
+    gold, chosen = tok.convert_tokens_to_ids(tasks[1].golds[0][0]), tok.convert_tokens_to_ids(name)
+    with torch.no_grad():
+        a, b = (torch.log_softmax(m(torch.tensor([ids])).logits[0, -1], -1) for m in (m1, m2))
+    same = decisions(m1, m1, tok, [right, wrong], tasks)
+    assert abs(same["margin_gain"][0]) < 1e-6 and same["fixed"] == int(a[gold] > a[chosen])
+    assert abs(res["margin_gain"][0] - (b[gold] - b[chosen] - a[gold] + a[chosen]).item()) < 1e-5
+    assert res["fixed"] == int(b[gold] > b[chosen])
+    assert abs(res["p_right_median"] - a[gold].exp().item()) < 1e-6
