@@ -14,6 +14,8 @@ pool of entity names as training; ``--split valid`` and ``--split test`` are dis
 pick settings on ``valid``, report on ``test``.
 
 ``--diagnostics`` reads the memory reward's settings from the run's ``config.json`` (``run_reward_config``).
+``--stop-value`` and ``--decisions RUN`` are RL's diagnostics (issue 24): does the objective pay for answering
+early, and does an RL checkpoint fix its SFT start's greedy errors or change its right choices.
 Other recipes have their own evaluations: ``python -m recipes.memalpha_eval``, ``python -m recipes.memtrain_eval``.
 """
 from __future__ import annotations
