@@ -527,15 +527,17 @@ def decisions(model, other, tokenizer, trajs: list, tasks: list) -> dict:
     each one can break a right episode)."""
     def logp(m, ids):
         return torch.log_softmax(m(torch.tensor([ids], device=next(m.parameters()).device)).logits[0].float(), -1)
-    points, changed, n_right = [], 0, 0
+    points, changed, n_right, episodes_changed = [], 0, 0, 0
     for t, task in zip(trajs, tasks):
         if summarize([t])["f1"] >= 1.0:
+            before = changed
             for rd in t.rounds:
                 ids, start = rd.context_ids + rd.round_ids, len(rd.context_ids) + len(rd.prefix_ids)
                 if rd.output_ids:
                     pred = logp(other, ids)[start - 1:len(ids) - 1].argmax(-1).cpu()
                     changed += (pred != torch.tensor(rd.output_ids)).sum().item()
                     n_right += len(rd.output_ids)
+            episodes_changed += changed > before
             continue
         err = first_error(t, task, tokenizer)
         if err is None or err[3] is None:
@@ -550,7 +552,8 @@ def decisions(model, other, tokenizer, trajs: list, tasks: list) -> dict:
     scored = [p for p in points if "gain" in p]
     kinds = sorted({p["kind"] for p in points})
     res = {"failed": len(points), "kinds": {k: sum(p["kind"] == k for p in points) for k in kinds},
-           "right_episodes": len(trajs) - len(points), "right_tokens": n_right, "right_changed": changed}
+           "right_episodes": len(trajs) - len(points), "right_tokens": n_right, "right_changed": changed,
+           "right_episodes_changed": episodes_changed}
     if scored:
         med = lambda xs: sorted(xs)[len(xs) // 2]
         res |= {"scored": len(scored), "p_chosen_median": med([p["p_chosen"] for p in scored]),
@@ -574,7 +577,8 @@ def print_decisions(res: dict, title: str = "") -> None:
               f"right word {m:+.3f} +- {h:.3f}")
         for k, v in res["by_kind"].items():
             print(f"  {k:<7} n {v['n']:3d}  fixed {v['fixed']:3d}  margin gain {v['margin_gain']:+.3f}")
-    print(f"on the right episodes: other changes {res['right_changed']} of {res['right_tokens']} greedy tokens")
+    print(f"on the right episodes: other changes {res['right_changed']} of {res['right_tokens']} greedy tokens, in "
+          f"{res['right_episodes_changed']} of {res['right_episodes']} episodes")
 
 
 def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:

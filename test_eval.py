@@ -309,6 +309,7 @@ def test_decisions_pairs_the_two_models_on_the_same_ids():
                 naive += int(m2(torch.tensor([ids])).logits[0, -1].argmax().item() != t)
     assert res["right_episodes"] == 1 and res["failed"] == 1 and res["kinds"] == {"answer": 1}
     assert res["right_tokens"] == sum(len(r.output_ids) for r in right.rounds) and res["right_changed"] == naive
+    assert res["right_episodes_changed"] == int(naive > 0)
     r = wrong.rounds[last]
     ids = r.context_ids + r.round_ids[:p]
     gold, chosen = tok.convert_tokens_to_ids(tasks[1].golds[0][0]), tok.convert_tokens_to_ids(name)
