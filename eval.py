@@ -493,7 +493,8 @@ def first_error(traj: Trajectory, task: data.Task, tokenizer) -> tuple[int, int,
                         if i >= gen_from:
                             if pos >= len(path):
                                 return ri, i, "memory", None
-                            if w not in (data.SLOT, path[pos]) or (w == data.SLOT and prev.get(entry, [])[pos:pos + 1] == [path[pos]]):
+                            forgot = w == data.SLOT and prev.get(entry, [])[pos:pos + 1] == [path[pos]]
+                            if w not in (data.SLOT, path[pos]) or forgot:
                                 return ri, i, "memory", path[pos]
                     i += 1
             elif toks[i] == "<search>":
@@ -529,7 +530,7 @@ def decisions(model, other, tokenizer, trajs: list, tasks: list) -> dict:
         return torch.log_softmax(m(torch.tensor([ids], device=next(m.parameters()).device)).logits[0].float(), -1)
     points, changed, n_right, episodes_changed = [], 0, 0, 0
     for t, task in zip(trajs, tasks):
-        if summarize([t])["f1"] >= 1.0:
+        if outcome_reward(t)["f1"] >= 1.0:
             before = changed
             for rd in t.rounds:
                 ids, start = rd.context_ids + rd.round_ids, len(rd.context_ids) + len(rd.prefix_ids)
@@ -545,10 +546,12 @@ def decisions(model, other, tokenizer, trajs: list, tasks: list) -> dict:
             continue
         ri, ti, kind, word = err
         rd = t.rounds[ri]
-        ids, chosen, right = rd.context_ids + rd.round_ids[:ti], rd.round_ids[ti], tokenizer.convert_tokens_to_ids(word)
+        ids, chosen = rd.context_ids + rd.round_ids[:ti], rd.round_ids[ti]
+        right = tokenizer.convert_tokens_to_ids(word)
         a, b = logp(model, ids)[-1], logp(other, ids)[-1]
         points.append({"kind": kind, "p_chosen": a[chosen].exp().item(), "p_right": a[right].exp().item(),
-                       "gain": (b[right] - b[chosen] - a[right] + a[chosen]).item(), "fixed": bool(b[right] > b[chosen])})
+                       "gain": (b[right] - b[chosen] - a[right] + a[chosen]).item(),
+                       "fixed": bool(b[right] > b[chosen])})
     scored = [p for p in points if "gain" in p]
     kinds = sorted({p["kind"] for p in points})
     res = {"failed": len(points), "kinds": {k: sum(p["kind"] == k for p in points) for k in kinds},
@@ -640,8 +643,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-value", action="store_true",
                    help="at every round that searched: Q_stop (force the answer now) vs Q_go (search on), per K")
     p.add_argument("--decisions", default="", metavar="RUN",
-                   help="RUN (e.g. the RL run of this SFT checkpoint) on this checkpoint's greedy episodes: does it fix "
-                        "their first errors, does it change their right choices (embedded world, word tokenizer)")
+                   help="RUN (e.g. the RL run of this SFT checkpoint) on this checkpoint's greedy episodes: does it "
+                        "fix their first errors, does it change their right choices (embedded world, word tokenizer)")
     p.add_argument("--show", type=int, default=0, metavar="N",
                    help="print N held-out episodes (the first --objectives K) round by round instead of the table")
     p.add_argument("--viz", default="", metavar="FILE",
@@ -697,7 +700,8 @@ def main(argv=None) -> None:
         agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
         for k in args.objectives:
             tasks, tool = embedded_tasks(k, args.tasks, args.seed, args.split, (a, b))
-            out[str(k)] = decisions(model, other, tokenizer, run_episodes(model, tokenizer, tasks, tool, agent), tasks)
+            trajs = run_episodes(model, tokenizer, tasks, tool, agent)
+            out[str(k)] = decisions(model, other, tokenizer, trajs, tasks)
             print_decisions(out[str(k)], f"K={k}: {args.decisions} on {args.checkpoint}'s greedy episodes")
         print(json.dumps({"checkpoint": args.checkpoint, "other": args.decisions, "decisions": out}))
         return
