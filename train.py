@@ -146,6 +146,9 @@ class Config:
     threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)")
     mem_mask: str = flag(MEM_MASK, "separate (the paper's: each P over its own confident tokens) | full (both "
                                    "over P_full's)")
+    # issue 24: a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std
+    outcome_norm: str = flag("std", "outcome advantage: std ((score - group mean) / group std, GRPO's) | none "
+                                    "(score - group mean, Dr.GRPO's)")
     mem_adv_norm: str = flag("std", "memory-pool normalisation: std (the paper's) | none | round | nonzero (zero "
                                     "rewards left out)")
     mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens")
@@ -199,6 +202,8 @@ def parse_args(argv=None, config=Config):
     if config is Config and cfg.algo not in ("mempo", "grpo"):
         p.error(f"--algo {cfg.algo}: choose mempo or grpo (the other recipes run as python -m recipes.memtrain, "
                 f"python -m recipes.memalpha)")
+    if cfg.outcome_norm not in ("std", "none"):
+        p.error(f"--outcome-norm {cfg.outcome_norm}: choose std or none")
     if cfg.faithful:
         cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.mem_gate, cfg.threshold = "separate", "std", 1.0, False, 0.5
     return cfg
@@ -308,7 +313,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         t0 = time.time()
         outs = [outcome_reward(t) for t in trajs]
         gids = torch.tensor([t.group_id for t in trajs])
-        adv_t = grouped_advantage(torch.tensor([o["score"] for o in outs]), gids)
+        adv_t = grouped_advantage(torch.tensor([o["score"] for o in outs]), gids, norm_by_std=cfg.outcome_norm == "std")
         if cfg.algo == "mempo":
             with autocast(cfg.precision, model.device):
                 mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
