@@ -77,6 +77,31 @@ def test_rl_step_logs_finite_metrics_and_updates_only_when_not_skipped(sft_run):
     assert updated >= 1, "every step was skipped: nothing above tested an update"
 
 
+def test_outcome_norm_none_gives_the_rl_step_score_minus_group_mean(sft_run, monkeypatch):
+    model, tok = load(sft_run / "final")
+    seen = []
+
+    def spy(scores, gids, **kw):
+        out = grpo.grouped_advantage(scores, gids, **kw)
+        seen.append((scores, gids, kw, out))
+        return out
+    monkeypatch.setattr(train, "grouped_advantage", spy)
+    for norm in ("none", "std"):
+        cfg = train.parse_args(RL_ARGS + ["--outcome-norm", norm])
+        train.rl_step(model, None, tok, torch.optim.AdamW(model.parameters(), lr=0.0), cfg, 0, train.agent_config(cfg))
+        scores, gids, kw, adv = seen[-1]
+        assert kw == {"norm_by_std": norm == "std"}
+        centred = torch.stack([scores[i] - scores[gids == gids[i]].mean() for i in range(len(scores))])
+        if norm == "none":
+            assert torch.allclose(adv, centred, atol=1e-6)
+        else:
+            for g in gids.unique():
+                sd = scores[gids == g].std() if (gids == g).sum() > 1 else torch.tensor(1.0)
+                assert torch.allclose(adv[gids == g], centred[gids == g] / (sd + 1e-6), atol=1e-5)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--outcome-norm", "mean"])
+
+
 def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
     """Policy-gradient sanity (issue 24): sampled rollouts of the trained policy, MemPO's advantages as rl_step
     builds them, one AdamW step at a small lr; re-scored on the same batch, sum(A * log pi) over the loss tokens
