@@ -146,7 +146,8 @@ class Config:
     threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)")
     mem_mask: str = flag(MEM_MASK, "separate (the paper's: each P over its own confident tokens) | full (both "
                                    "over P_full's)")
-    # issue 24: a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std
+    # issue 24: a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std (none: no
+    # better, results/STUDIES.md)
     outcome_norm: str = flag("std", "outcome advantage: std ((score - group mean) / group std, GRPO's) | none "
                                     "(score - group mean, Dr.GRPO's)")
     mem_adv_norm: str = flag("std", "memory-pool normalisation: std (the paper's) | none | round | nonzero (zero "
