@@ -43,7 +43,7 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
    (before) and by ``grpo.micro_batches`` (sorted by length, token budget; after); then, for
    comparison, ``grpo.micro_batches`` at a quarter of the budget.
 
-7. **processes** (``step_sec_by_procs``): seconds per RL step (default config, B = 8 questions split
+7. **processes** (``step_sec_by_procs``): seconds per RL step (default config, its B questions split
    over the ranks) of ``torchrun --nproc_per_node N train.py --model M`` for each N of ``--procs``
    (default 1,2), each a fresh run of ``--proc-steps`` steps, the first left out as warm-up. On a
    2-core CPU the ranks share the cores: a smoke test of the torchrun path, not a speed figure; on a
@@ -578,7 +578,7 @@ def print_table(f: dict, args, device: torch.device, repeats: int) -> None:
           f"micro-batches {pad['before']:.3f} | grpo.micro_batches (sorted, budget {micro}) "
           f"{pad['after']:.3f} | same at budget {micro // 4} ({pad['small_budget_batches']} micro-batches) "
           f"{pad['small_budget']:.3f}")
-    print(f"7 step time, torchrun --nproc_per_node N train.py (default config, B=8 questions split over N): "
+    print(f"7 step time, torchrun --nproc_per_node N train.py (default config, B={train.Config.questions} questions split over N): "
           + "  ".join(f"N={n} {x['sec_step']:.2f} s ({pr[procs[0]]['sec_step'] / x['sec_step']:.2f}x)" for n, x in pr.items())
           + ("  [CPU: a smoke test, the ranks share the cores]" if device.type == "cpu" else ""))
 

@@ -119,7 +119,9 @@ class Config:
     # RL
     algo: str = flag("mempo", "mempo (outcome + memory advantage) | grpo (outcome only)")
     rl_steps: int = flag(60, "RL steps (0 skips RL)")
-    questions: int = flag(8, "questions per RL step")
+    # 16, not 8: half the gradient's sampling noise keeps RL's fixes of greedy errors and cuts what it breaks
+    # (results/STUDIES.md, issue 24, fourth session)
+    questions: int = flag(16, "questions per RL step")
     group: int = flag(8, "rollouts per question (G)")
     # the SFT's K and hops: RL on 2-4 / 1-2 taught 3-hop K=1 episodes to answer after 2 hops
     rl_objectives: str = flag("1-4", "objective counts K of RL questions")

@@ -84,6 +84,7 @@ class MemTrainConfig(train.Config):
     # (issue 24) and is not yet re-measured on this recipe
     lr: float = flag(1e-4, "RL learning rate")
     temperature: float = flag(1.0, "sampling temperature of training rollouts")
+    questions: int = flag(8, "masked-reconstruction tasks per RL step")
     # --questions tasks x --group G1 end-to-end rollouts per step
     imr_group: int = flag(2, "IMR rollouts per end-to-end trajectory (G2; paper 8)")
     imr_lam: float = flag(0.5, "lambda, weight of the mean IMR reward in R = e2e + lambda * mean(IMR) (0 = the "
