@@ -578,7 +578,8 @@ def print_table(f: dict, args, device: torch.device, repeats: int) -> None:
           f"micro-batches {pad['before']:.3f} | grpo.micro_batches (sorted, budget {micro}) "
           f"{pad['after']:.3f} | same at budget {micro // 4} ({pad['small_budget_batches']} micro-batches) "
           f"{pad['small_budget']:.3f}")
-    print(f"7 step time, torchrun --nproc_per_node N train.py (default config, B={train.Config.questions} questions split over N): "
+    print(f"7 step time, torchrun --nproc_per_node N train.py (default config, B={train.Config.questions} questions "
+          f"split over N): "
           + "  ".join(f"N={n} {x['sec_step']:.2f} s ({pr[procs[0]]['sec_step'] / x['sec_step']:.2f}x)" for n, x in pr.items())
           + ("  [CPU: a smoke test, the ranks share the cores]" if device.type == "cpu" else ""))
 
