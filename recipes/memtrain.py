@@ -80,11 +80,8 @@ class MemTrainConfig(train.Config):
     """MemTrain: self-supervised memory pre-training (masked reconstruction + IMR)."""
     run: str = flag("runs/memtrain", "output folder (metrics.jsonl, checkpoints, final/)")
     algo: str = flag("memtrain", "memtrain (this recipe; the step's log name)")
-    # the step its results (results/MEMTRAIN.md) were measured with; train.py's default moved to lr 1e-5 at T 0.7
-    # (issue 24) and is not yet re-measured on this recipe
-    lr: float = flag(1e-4, "RL learning rate")
-    temperature: float = flag(1.0, "sampling temperature of training rollouts")
-    questions: int = flag(8, "masked-reconstruction tasks per RL step")
+    # lr 1e-5, T 0.7 and 16 tasks a step are train.Config's RL step (issue 24; re-measured in results/MEMTRAIN.md)
+    questions: int = flag(16, "masked-reconstruction tasks per RL step")
     # --questions tasks x --group G1 end-to-end rollouts per step
     imr_group: int = flag(2, "IMR rollouts per end-to-end trajectory (G2; paper 8)")
     imr_lam: float = flag(0.5, "lambda, weight of the mean IMR reward in R = e2e + lambda * mean(IMR) (0 = the "
