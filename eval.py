@@ -15,14 +15,14 @@ pick settings on ``valid``, report on ``test``.
 
 ``--diagnostics`` reads the memory reward's settings from the run's ``config.json`` (``run_reward_config``).
 ``--stop-value`` and ``--decisions RUN`` are RL's diagnostics (issue 24): does the objective pay for answering
-early, and does an RL checkpoint fix its SFT start's greedy errors or change its right choices.
+early, and does an RL checkpoint fix its SFT start's greedy errors or change its right choices. The checks
+themselves live in ``diagnostics.py`` (plain functions over episodes); this file runs them and prints them.
 Other recipes have their own evaluations: ``python -m recipes.memalpha_eval``, ``python -m recipes.memtrain_eval``.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -30,69 +30,13 @@ import torch
 from tqdm import tqdm
 
 import data
-from memory import extract_mem
-from reward import (MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, mem_grounded, memory_rewards, outcome_reward,
-                    template_objectives)
-from rollout import (AgentConfig, Round, SearchTool, Trajectory, checkpoint_prompt, cut_at_stop, generate,
-                     gguf_file, load_pretrained, parse_action, pick_device, run_episodes, stop_strings)
+from diagnostics import decisions, memory_diagnostics, p_by_round, probe_by_found, stop_value
+from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
+from rollout import (AgentConfig, SearchTool, checkpoint_prompt, gguf_file, load_pretrained, pick_device,
+                     run_episodes)
 import viz
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
-AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
-
-
-# --------------------------------------------------------------------------- memory diagnostics
-
-def memory_diagnostics(trajs: list, tasks: list) -> dict:
-    """Retention, faithfulness and turn drift of ``<mem>``, measurable because the world's facts are known.
-
-    Objective k's *needed* entity after some rounds is the newest object of its gold chain that an
-    earlier search retrieved (its answer once the chain is complete). Retention at round t >= 2 =
-    fraction of needed entities that ``<mem>`` holds in objective k's entry (``k = path``), by
-    how many rounds ago the entity was retrieved, and for rounds 2-8 vs 9-64 (turn drift).
-    Faithfulness = fraction of ``<mem>`` entries whose words all occur in the question or an earlier
-    tool result (an invented entry is reward hacking).
-    """
-    kept = {b: [0, 0] for b in AGO_BUCKETS}
-    drift = {"rounds 2-8": [0, 0], "rounds 9-64": [0, 0]}
-    faithful = [0, 0]
-    for traj in trajs:
-        task = tasks[traj.group_id]
-        tools = [r.text for r in traj.records if r.type in ("search_results", "webpage")]
-        found: dict[tuple[int, int], int] = {}           # (objective, hop) -> round that retrieved it
-        for t, rnd in enumerate(traj.rounds):
-            if t >= 1:
-                mem = extract_mem(rnd.text)
-                entries = data.parse_mem(mem or "")
-                for e in (mem or "").split(";"):
-                    if e.strip():
-                        faithful[0] += mem_grounded(e, [task.question] + tools[:t])
-                        faithful[1] += 1
-                for k, obj in enumerate(task.objectives):
-                    hops = [h for h in range(len(obj.chain)) if (k, h) in found]
-                    if not hops:
-                        continue
-                    h = max(hops)
-                    hit = int(obj.chain[h][2] in entries.get(k, []))
-                    ago = t - found[(k, h)]
-                    for b in AGO_BUCKETS:
-                        if b[0] <= ago <= b[1]:
-                            kept[b][0] += hit
-                            kept[b][1] += 1
-                    d = drift["rounds 2-8" if t < 8 else "rounds 9-64"]
-                    d[0] += hit
-                    d[1] += 1
-            if t < len(tools) and rnd.action == "search":
-                query = parse_action(rnd.text)[1].split()
-                for k, obj in enumerate(task.objectives):
-                    for h, f in enumerate(obj.chain):      # retrieved: searched for and shown
-                        if query == list(f[:2]) and " ".join(f) in tools[t] and (k, h) not in found:
-                            found[(k, h)] = t
-    ratio = lambda a: a[0] / a[1] if a[1] else float("nan")
-    return {"retention": ratio([sum(v[0] for v in kept.values()), sum(v[1] for v in kept.values())]),
-            "retention_by_ago": {f"{a}-{b}": ratio(v) for (a, b), v in kept.items()},
-            "retention_drift": {k: ratio(v) for k, v in drift.items()},
-            "faithfulness": ratio(faithful), "mem_entries": faithful[1]}
 
 
 def run_reward_config(checkpoint: str) -> tuple[str, float, str]:
@@ -110,79 +54,6 @@ def run_reward_config(checkpoint: str) -> tuple[str, float, str]:
             if "mem_mask" in cfg:                     # RUN/config.json, not a model's config.json
                 return cfg["mem_mask"], float(cfg.get("threshold", THRESHOLD)), cfg.get("probe_think", "answer")
     return MEM_MASK, THRESHOLD, PROBE_THINK
-
-
-def _has_fact(text: str, fact: tuple[str, str, str]) -> bool:
-    return f" {' '.join(fact)} " in f" {text} "
-
-
-def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float = THRESHOLD,
-                   mask_mode: str = MEM_MASK, think: str = PROBE_THINK, context: str = "snail") -> dict:
-    """The memory reward's two probes where the answer is known (issue 13), on embedded-world trajectories.
-
-    For every scored round (t >= 2 with a ``<mem>``) and objective k: **found** when the round's context
-    holds the objective's last fact ``s r answer``: an earlier ``<mem>`` entry k holds it, or an earlier round
-    searched ``s r`` and its result shows it (snail: the previous round only; full: every earlier one). A
-    fact shown as a side hit of another query does not count (nothing in the context says it answers k).
-    Then **kept** when the
-    round's ``<mem>`` entry k still holds it, else **dropped**; else **not found**. Per label: the mean probability
-    of that objective's answer (all its words) under each probe and the share above ``threshold``. A fair
-    probe is unconfident on both sides when not found, confident on both when kept, and confident in
-    P_full only when dropped. Rounds are labelled too (dropped if any found answer was dropped, kept if
-    some were found and all kept, else none found) with the mean memory reward P_mem - P_full.
-    """
-    m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode, think=think)
-    acc: dict[str, list] = {"not found": [], "kept": [], "dropped": []}
-    by_round: dict[str, list] = {"none found": [], "kept": [], "dropped": []}
-    rewards = [x for rs in m["rewards"] for x in rs]        # in m["scored"] order (trajectory, then round)
-    for r, (i, t) in enumerate(m.get("scored", [])):
-        tr = trajs[i]
-        tools = [rec.text for rec in tr.records if rec.type in ("search_results", "webpage")]
-        lo = 0 if context == "full" else t - 1
-        entry = lambda text, k: " ".join(data.parse_mem(extract_mem(text) or "").get(k, []))   # objective k's path
-
-        def found(k: int, fact: tuple[str, str, str]) -> bool:   # an earlier <mem> entry k holds it, or its search showed it
-            return any(_has_fact(entry(x.text, k), fact)
-                       or (x.action == "search" and parse_action(x.text)[1].split() == list(fact[:2])
-                           and j < len(tools) and _has_fact(tools[j], fact))
-                       for j, x in enumerate(tr.rounds[lo:t], lo))
-        objs = torch.tensor(template_objectives(tr.golds))
-        labels = []
-        for k, obj in enumerate(tasks[tr.group_id].objectives):
-            cols = (objs == k).nonzero().flatten()
-            lp_full, lp_mem = m["word_logp_full"][r, cols].sum().item(), m["word_logp_mem"][r, cols].sum().item()
-            fact = obj.chain[-1]
-            label = "not found" if not found(k, fact) else "kept" if _has_fact(entry(tr.rounds[t].text, k), fact) else "dropped"
-            acc[label].append((math.exp(lp_full), math.exp(lp_mem)))
-            labels.append(label)
-        rl = "dropped" if "dropped" in labels else "kept" if "kept" in labels else "none found"
-        by_round[rl].append(rewards[r])
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
-    out = {lab: {"n": len(v), "p_full": mean([a for a, _ in v]), "p_mem": mean([b for _, b in v]),
-                 "conf_full": mean([float(a > threshold) for a, _ in v]),
-                 "conf_mem": mean([float(b > threshold) for _, b in v])} for lab, v in acc.items()}
-    out["reward_by_round"] = {lab: {"n": len(v), "mem_reward": mean(v)} for lab, v in by_round.items()}
-    out["empty_frac"], out["no_signal_frac"] = m["empty_frac"], m["no_signal_frac"]
-    return out
-
-
-def p_by_round(model, tokenizer, trajs: list, threshold: float = THRESHOLD,
-               mask_mode: str = MEM_MASK, think: str = PROBE_THINK) -> dict:
-    """Mean P_full and P_mem by round index on (eval) trajectories: where does memory carry the answer?
-
-    ``mask_mode`` and ``threshold`` should be the run's own (``run_reward_config``), so P_mem here is
-    the P_mem its training reward computed.
-    """
-    m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode, think=think)
-    rows: dict[str, list] = {}
-    k = 0
-    for rounds in m["rounds"]:
-        for t in rounds:
-            key = str(t + 1) if t < 8 else "9+"
-            rows.setdefault(key, []).append((m["p_full"][k], m["p_mem"][k]))
-            k += 1
-    return {key: {"p_full": sum(a for a, _ in v) / len(v), "p_mem": sum(b for _, b in v) / len(v), "n": len(v)}
-            for key, v in sorted(rows.items(), key=lambda kv: (len(kv[0]), kv[0]))}
 
 
 def summarize(trajs: list) -> dict:
@@ -392,66 +263,7 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
     return out
 
 
-# --------------------------------------------------------------------------- stop value (issue 24)
-
-STOP_TEXT = " <think> answer </think> <answer>"     # the expert's answer action after its <mem> (data.expert_rounds)
-
-
-def held_answers(mem_text: str, golds: list[list[str]]) -> int:
-    """How many objectives' gold answers (first alias) a round's ``<mem>`` text already holds."""
-    words = set(mem_text.split())
-    return sum(bool(g) and all(w in words for w in g[0].split()) for g in golds)
-
-
-def stop_value(model, tokenizer, trajs: list, temperature: float, max_new_tokens: int = 128,
-               batch: int = 64, seed: int = 0) -> dict:
-    """Does the objective pay for stopping early? At every round of ``trajs`` that searched, the two actions
-    at the SAME state: Q_go, the score the trajectory got by searching on, and Q_stop, the score of a branch
-    that keeps the round's context and ``<mem>`` span, then forces the answer action (``STOP_TEXT``) and lets
-    the policy write the answer at ``temperature``; scored by ``outcome_reward`` over the rounds before it plus
-    the branch round, as training scores a trajectory. Returns the means overall, by round and by the answers
-    the round's ``<mem>`` already held; ``stop_better`` is the share of states where Q_stop > Q_go.
-
-    A policy that learns to answer early is right to if Q_stop >= Q_go where it stops; if Q_stop < Q_go at
-    every round with answers still missing, early answers are the optimizer's noise, not the objective's."""
-    stop_ids, stops = tokenizer.encode(STOP_TEXT, add_special_tokens=False), stop_strings(tokenizer)
-    states = []                                         # (traj, round index, its Q_go, the branch's prompt ids)
-    for t in trajs:
-        q_go = outcome_reward(t)["score"]
-        for i, r in enumerate(t.rounds):
-            if r.action == "search" and r.mem_end:
-                states.append((t, i, q_go, r.context_ids + r.round_ids[:r.mem_end] + stop_ids))
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    outs = []
-    for j in range(0, len(states), batch):
-        outs += generate(model, [s[3] for s in states[j:j + batch]], max_new_tokens, pad_id=tokenizer.pad_token_id,
-                         eos_id=tokenizer.eos_token_id, stops=stops, temperature=temperature,
-                         generator=gen if temperature > 0 else None)
-    rows = []
-    for (t, i, q_go, _), out in zip(states, outs):
-        r = t.rounds[i]
-        head = r.round_ids[:r.mem_end]
-        text = cut_at_stop(tokenizer.decode(head + stop_ids + out))
-        kind, body = parse_action(text)
-        branch_round = Round(r.context_ids, r.prefix_ids, (head + stop_ids + out)[len(r.prefix_ids):], text,
-                             r.mem_end, kind)
-        branch = Trajectory(t.question, t.golds, t.group_id, t.prompt_ids, [], t.rounds[:i] + [branch_round],
-                            body if kind == "answer" else None, True)
-        mem_text = extract_mem(tokenizer.decode(head)) or ""
-        rows.append({"round": i + 1, "held": held_answers(mem_text, t.golds), "k": len(t.golds),
-                     "q_stop": outcome_reward(branch)["score"], "q_go": q_go})
-
-    def agg(rs):
-        n = len(rs)
-        return {"n": n, "q_stop": sum(r["q_stop"] for r in rs) / n, "q_go": sum(r["q_go"] for r in rs) / n,
-                "stop_better": sum(r["q_stop"] > r["q_go"] for r in rs) / n}
-    if not rows:
-        return {"n": 0}
-    by_round = {str(k): agg([r for r in rows if r["round"] == k]) for k in sorted({r["round"] for r in rows})}
-    by_missing = {str(m): agg([r for r in rows if r["k"] - r["held"] == m])
-                  for m in sorted({r["k"] - r["held"] for r in rows})}
-    return {**agg(rows), "by_round": by_round, "by_missing": by_missing}
-
+# --------------------------------------------------------------------------- RL's diagnostics (issue 24): printers
 
 def print_stop_value(res: dict, title: str = "") -> None:
     """``stop_value``'s table: rows by the answers still missing from the round's <mem>, then by round."""
@@ -465,116 +277,13 @@ def print_stop_value(res: dict, title: str = "") -> None:
         print(f"all          {res['n']:6d} {res['q_stop']:8.3f} {res['q_go']:8.3f} {res['stop_better']:8.3f}")
 
 
-def first_error(traj: Trajectory, task: data.Task, tokenizer) -> tuple[int, int, str, str | None] | None:
-    """Where an embedded-world episode first goes wrong: ``(round, index into the round's ids, kind, right word)``,
-    None when no word it generated contradicts the world. Kinds: ``memory`` (a ``<mem>`` word that is not the
-    world's at its path position, or a slot emptied that the previous ``<mem>`` held right; right word None when
-    the entry itself is malformed), ``query`` (a search word other than the pair before the first slot of the
-    round's own ``<mem>``), ``answer`` (an answer word not the gold). One token a word: the word tokenizer."""
-    truth = [[o.start] + [w for (_, r, x) in o.chain for w in (r, x)] for o in task.objectives]
-    prev: dict[int, list[str]] = {}
-    for ri, rd in enumerate(traj.rounds):
-        toks, gen_from = tokenizer.convert_ids_to_tokens(rd.round_ids), len(rd.prefix_ids)
-        mem: dict[int, list[str]] = {}
-        i = 0
-        while i < len(toks):
-            if toks[i] == "<mem>":
-                entry, i = None, i + 1
-                while i < len(toks) and toks[i] != "</mem>":
-                    w = toks[i]
-                    if w == ";":
-                        entry = None
-                    elif w.isdigit() and i + 1 < len(toks) and toks[i + 1] == "=":
-                        entry, i = int(w) - 1, i + 1
-                    elif entry is not None:
-                        pos = len(mem.setdefault(entry, []))
-                        mem[entry].append(w)
-                        path = truth[entry] if 0 <= entry < len(truth) else []
-                        if i >= gen_from:
-                            if pos >= len(path):
-                                return ri, i, "memory", None
-                            forgot = w == data.SLOT and prev.get(entry, [])[pos:pos + 1] == [path[pos]]
-                            if w not in (data.SLOT, path[pos]) or forgot:
-                                return ri, i, "memory", path[pos]
-                    i += 1
-            elif toks[i] == "<search>":
-                want = next((p[p.index(data.SLOT) - 2:p.index(data.SLOT)] for _, p in sorted(mem.items())
-                             if data.SLOT in p), [])
-                for j, w in enumerate(want if len(want) == 2 else []):
-                    if i + 1 + j < len(toks) and i + 1 + j >= gen_from and toks[i + 1 + j] != w:
-                        return ri, i + 1 + j, "query", w
-                i += 3
-            elif toks[i] == "<answer>":
-                a, i = 0, i + 1
-                while i < len(toks) and toks[i] != "</answer>":
-                    if toks[i] == ";":
-                        a += 1
-                    elif i >= gen_from and a < len(task.golds) and toks[i] not in task.golds[a]:
-                        return ri, i, "answer", task.golds[a][0]
-                    i += 1
-            else:
-                i += 1
-        prev = mem
-    return None
-
-
-@torch.no_grad()
-def decisions(model, other, tokenizer, trajs: list, tasks: list) -> dict:
-    """Does ``other`` (an RL checkpoint) fix ``model``'s (its SFT start's) greedy errors, and does it change the
-    choices ``model`` got right? On ``model``'s own greedy episodes, teacher-forced on their ids, so the two are
-    paired: at each failed episode's ``first_error``, log p(chosen) and log p(right) under both (``fixed``: other
-    prefers the right word there; ``margin_gain``: the mean rise of log p(right) - log p(chosen), by kind); on the
-    episodes ``model`` answers fully right, the generated tokens whose argmax other changes (``right_changed``:
-    each one can break a right episode)."""
-    def logp(m, ids):
-        return torch.log_softmax(m(torch.tensor([ids], device=next(m.parameters()).device)).logits[0].float(), -1)
-    points, changed, n_right, episodes_changed = [], 0, 0, 0
-    for t, task in zip(trajs, tasks):
-        if outcome_reward(t)["f1"] >= 1.0:
-            before = changed
-            for rd in t.rounds:
-                ids, start = rd.context_ids + rd.round_ids, len(rd.context_ids) + len(rd.prefix_ids)
-                if rd.output_ids:
-                    pred = logp(other, ids)[start - 1:len(ids) - 1].argmax(-1).cpu()
-                    changed += (pred != torch.tensor(rd.output_ids)).sum().item()
-                    n_right += len(rd.output_ids)
-            episodes_changed += changed > before
-            continue
-        err = first_error(t, task, tokenizer)
-        if err is None or err[3] is None:
-            points.append({"kind": err[2] if err else "none"})
-            continue
-        ri, ti, kind, word = err
-        rd = t.rounds[ri]
-        ids, chosen = rd.context_ids + rd.round_ids[:ti], rd.round_ids[ti]
-        right = tokenizer.convert_tokens_to_ids(word)
-        a, b = logp(model, ids)[-1], logp(other, ids)[-1]
-        points.append({"kind": kind, "p_chosen": a[chosen].exp().item(), "p_right": a[right].exp().item(),
-                       "gain": (b[right] - b[chosen] - a[right] + a[chosen]).item(),
-                       "fixed": bool(b[right] > b[chosen])})
-    scored = [p for p in points if "gain" in p]
-    kinds = sorted({p["kind"] for p in points})
-    res = {"failed": len(points), "kinds": {k: sum(p["kind"] == k for p in points) for k in kinds},
-           "right_episodes": len(trajs) - len(points), "right_tokens": n_right, "right_changed": changed,
-           "right_episodes_changed": episodes_changed}
-    if scored:
-        med = lambda xs: sorted(xs)[len(xs) // 2]
-        res |= {"scored": len(scored), "p_chosen_median": med([p["p_chosen"] for p in scored]),
-                "p_right_median": med([p["p_right"] for p in scored]),
-                "fixed": sum(p["fixed"] for p in scored), "margin_gain": mean_ci([p["gain"] for p in scored]),
-                "by_kind": {k: {"n": len(ps), "fixed": sum(p["fixed"] for p in ps),
-                                "margin_gain": sum(p["gain"] for p in ps) / len(ps)}
-                            for k in kinds if (ps := [p for p in scored if p["kind"] == k])}}
-    return res
-
-
 def print_decisions(res: dict, title: str = "") -> None:
     """``decisions``' lines: the first errors, what other does at them, and its changes on the right episodes."""
     if title:
         print(title)
     print(f"failed episodes {res['failed']} (first error: {res['kinds']}); right episodes {res['right_episodes']}")
     if res.get("scored"):
-        m, h = res["margin_gain"]
+        m, h = mean_ci(res["gains"])
         print(f"at the first errors: p(chosen) median {res['p_chosen_median']:.3f}, p(right) median "
               f"{res['p_right_median']:.3f}; other fixes {res['fixed']} of {res['scored']}, log-odds toward the "
               f"right word {m:+.3f} +- {h:.3f}")

@@ -1,13 +1,13 @@
-"""Mem-alpha (ALGORITHM.md section 2): structured memory, tool-call parser, rewards, task, loop, training."""
+"""Mem-alpha (ALGORITHM.md section 2, recipes/memalpha.py): the 4-part reward, the chunked loop, the GRPO step,
+evaluation and baselines, SFT rows, kill and resume. Its memory and task: test_memalpha_memory.py,
+test_memalpha_data.py."""
 import copy
 import json
-import random
-import re
 import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 import data
 from checkpoint import save_checkpoint
@@ -15,231 +15,13 @@ from grpo import collate
 from recipes import memalpha, memalpha_data, memalpha_eval
 from recipes.memalpha import (WriterConfig, content_valid, memalpha_reward, memalpha_rollout, r1_accuracy,
                               r2_call_success, r3_compression, r4_validity)
-from recipes.memalpha_memory import (TOOL_ARGS, TRUNCATED, StructuredMemory, ToolCall, answerer_messages,
-                                     execute_tool_calls, parse_tool_calls, tool_call_text, writer_messages)
+from recipes.memalpha_memory import (StructuredMemory, answerer_messages, parse_tool_calls, tool_call_text,
+                                     writer_messages)
 from reward import em_score
 from rollout import encode_chat
 from sft import sft_loss
 
 
-
-# --------------------------------------------------------------------------- structured memory
-
-def test_insert_update_delete_and_failures():
-    m = StructuredMemory(seed=1)
-    ok, msg = m.insert("semantic", "kalo boss mira")
-    assert ok and msg.startswith("inserted semantic ")
-    sid = msg.split()[-1]
-    assert len(sid) == 4 and m.stores["semantic"] == {sid: "kalo boss mira"}
-    assert m.insert("semantic", "kalo boss mira") == (False, "error: duplicate: semantic memory already holds this text")
-    assert m.insert("semantic", "  kalo boss mira ")[0] is False       # stripped before the duplicate check
-    assert m.insert("episodic", "kalo boss mira")[0] is True             # duplicates are per store
-    for bad in [("core", "x"), ("semantic_memory", "x"), (None, "x"), ("semantic", ""), ("semantic", "   "),
-                ("semantic", None), ("semantic", 3), (["semantic"], "x")]:
-        ok, msg = m.insert(*bad)
-        assert not ok and msg.startswith("error:"), bad
-    assert m.update("semantic", "kalo boss puni", sid) == (True, f"updated semantic {sid}")
-    assert m.stores["semantic"][sid] == "kalo boss puni"
-    assert m.update("semantic", "kalo boss tebo", "zzzz")[0] is False   # unknown id
-    assert m.update("semantic", "kalo boss tebo")[0] is False           # no id
-    assert m.update("semantic", "", sid)[0] is False
-    assert m.update("core", "a summary", sid)[0] is False                # core takes no id
-    assert m.update("core", "a summary") == (True, "updated core") and m.core == "a summary"
-    assert m.update("core", "  ")[0] is False and m.core == "a summary"
-    assert m.delete("semantic", "zzzz") == (False, "error: unknown semantic id 'zzzz'")   # not a silent success
-    assert m.delete("core", None)[0] is False
-    assert m.delete("episodic", sid)[0] is False                         # id of another store
-    assert m.delete("semantic", sid) == (True, f"deleted semantic {sid}")
-    assert m.stores["semantic"] == {}
-    assert m.delete("semantic", sid)[0] is False                         # twice
-
-
-def test_update_to_another_entrys_text_is_a_duplicate():
-    m = StructuredMemory()
-    a = m.insert("semantic", "a b")[1].split()[-1]
-    b = m.insert("semantic", "c d")[1].split()[-1]
-    assert m.update("semantic", "a b", b)[0] is False
-    assert m.update("semantic", "a b", a)[0] is True                    # rewriting itself is fine
-
-
-def test_ids_deterministic_and_unique():
-    def ids(seed):
-        m = StructuredMemory(seed=seed)
-        return [m.insert("semantic" if i % 2 else "episodic", f"fact {i}")[1].split()[-1] for i in range(200)]
-    assert ids(3) == ids(3)
-    assert ids(3) != ids(4)
-    assert len(set(ids(3))) == 200
-
-
-def test_core_truncated_with_marker_by_token_count():
-    m = StructuredMemory(core_limit=6)
-    ok, msg = m.update("core", "one two three four five six seven eight")
-    assert ok and "truncated" in msg
-    assert m.core == f"one two three four five {TRUNCATED}"
-    assert m.update("core", "one two three four five six")[1] == "updated core"   # exactly at the cap
-    # a character-level "tokenizer": the cap is in ITS tokens
-    m = StructuredMemory(core_limit=20, count_tokens=len)
-    m.update("core", "abcdef ghijkl mnopqr stuvwx")
-    assert m.core == f"abcdef {TRUNCATED}" and len(m.core) <= 20
-
-
-def test_retrieve_bm25_and_each_store():
-    m = StructuredMemory()
-    m.insert("semantic", "kalo boss mira")
-    m.insert("semantic", "lapu friend tebo")
-    m.insert("semantic", "puni rival zena")
-    m.insert("episodic", "on day 2 lapu met kalo")
-    m.insert("episodic", "on day 5 zena moved away")
-    top = m.retrieve("who is the rival of puni", 1)
-    assert [x[2] for x in top] == ["puni rival zena"]
-    # both hold "zena" once: the shorter entry ranks first (BM25 length normalisation)
-    assert [x[2] for x in m.retrieve("zena", 2)] == ["puni rival zena", "on day 5 zena moved away"]
-    each = m.retrieve_each("lapu", 1)
-    assert [t for _, t in each["semantic"]] == ["lapu friend tebo"]
-    assert [t for _, t in each["episodic"]] == ["on day 2 lapu met kalo"]
-    assert len(m.retrieve("anything", 10)) == 5                         # k larger than memory: all of it
-    assert StructuredMemory().retrieve("x", 3) == []
-
-
-def test_render_shows_relevant_old_entries_so_every_entry_is_reachable():
-    m = StructuredMemory(n_recent=2, n_relevant=1)
-    ids = [m.insert("semantic", f"person{i} boss person{i + 1}")[1].split()[-1] for i in range(10)]
-    view = m.render("day 9 : person0 boss is now person7")
-    assert f"[{ids[0]}] person0 boss person1" in view                  # the oldest, brought in by the chunk
-    assert f"[{ids[9]}]" in view and f"[{ids[8]}]" in view             # the newest two
-    assert f"[{ids[4]}]" not in view
-    assert "(7 more not shown)" in view
-    assert view.splitlines()[0] == "core: (empty)"
-    assert m.n_tokens() == 30
-
-
-def test_render_with_no_query_shows_newest_only():
-    m = StructuredMemory(n_recent=1)
-    m.insert("episodic", "on day 1 a")
-    m.insert("episodic", "on day 2 b")
-    assert m.render() == "core: (empty)\nsemantic:\nepisodic: (1 more not shown)\n" + \
-        f"[{list(m.stores['episodic'])[1]}] on day 2 b"
-
-
-# --------------------------------------------------------------------------- tool calls
-
-
-INSERT = tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "kalo boss mira"})
-
-
-def test_parse_good_calls_in_order_with_text_around():
-    text = ("I will save it. " + INSERT + "\n" +
-            tool_call_text("memory_update", {"memory_type": "core", "new_content": "summary"}) +
-            ' <tool_call> {"name": "memory_delete", "arguments": {"memory_type": "episodic", "memory_id": "ab12"}} </tool_call>')
-    calls = parse_tool_calls(text)
-    assert [(c.name, c.error) for c in calls] == [("new_memory_insert", None), ("memory_update", None),
-                                                  ("memory_delete", None)]
-    assert calls[2].arguments == {"memory_type": "episodic", "memory_id": "ab12"}
-    assert parse_tool_calls("no calls here") == []
-
-
-@pytest.mark.parametrize("text, error", [
-    ('<tool_call>{"name": "new_memory_insert", "arguments": {"memory_type": "semantic"}}</tool_call>', "missing: content"),
-    ('<tool_call>{"name": "memory_insert", "arguments": {}}</tool_call>', "unknown tool 'memory_insert'"),
-    ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', "unknown tool '3'"),
-    ('<tool_call>{"arguments": {}}</tool_call>', "unknown tool 'None'"),
-    ('<tool_call>{"name": "memory_delete", "arguments": "ab12"}</tool_call>', "'arguments' must be a JSON object"),
-    ('<tool_call>{"name": "memory_delete", "arguments": {"memory_type": "semantic", "memory_id": 12}}</tool_call>',
-     "not a string: memory_id"),
-    ('<tool_call>{"name": "memory_delete", "arguments": {"memory_type": "semantic", "memory_id": "a", "x": "1"}}'
-     '</tool_call>', "unexpected: x"),
-    ('<tool_call>{"name": "memory_delete", "arguments": {</tool_call>', "not valid JSON"),
-    ("<tool_call></tool_call>", "not valid JSON"),
-    ('<tool_call>["new_memory_insert"]</tool_call>', "must be a JSON object"),
-    ('<tool_call>{"name": "new_memory_insert"', "never closed"),
-    ("<tool_call>" + "[" * 100_000 + "</tool_call>", "not valid JSON"),
-    ('<tool_call>{"name": "new_memory_insert", "arguments": {"memory_type": "semantic", "content": NaN}}</tool_call>',
-     "not a string: content"),
-])
-def test_parse_failures_are_calls_with_errors(text, error):
-    calls = parse_tool_calls(text)
-    assert len(calls) == 1 and calls[0].error is not None and error in calls[0].error, calls
-
-
-def test_parse_closing_tag_inside_a_string_ends_the_block():
-    # the tag wins over JSON quoting (as Qwen's own parser does): this call is malformed, the next one is fine
-    text = '<tool_call>{"name": "x</tool_call>"}</tool_call>' + INSERT
-    calls = parse_tool_calls(text)
-    assert [c.error is None for c in calls] == [False, True]
-
-
-def _mutate(rng: random.Random, s: str) -> str:
-    pieces = ['{', '}', '"', ':', ',', '[', ']', '<tool_call>', '</tool_call>', 'null', '1e999', '\\', '\\u00',
-              '"name"', '"arguments"', '"memory_type"', "\x00", "é", " "]
-    s = list(s)
-    for _ in range(rng.randint(1, 6)):
-        op, i = rng.random(), rng.randrange(len(s) + 1)
-        if op < 0.35 and s:
-            del s[min(i, len(s) - 1)]
-        elif op < 0.7:
-            s.insert(i, rng.choice(pieces))
-        elif s:
-            s[min(i, len(s) - 1)] = chr(rng.randrange(32, 0x2FF))
-    return "".join(s)
-
-
-def _random_call(rng: random.Random) -> str:
-    if rng.random() < 0.5:                                       # a well-formed call
-        name = rng.choice(list(TOOL_ARGS))
-        return tool_call_text(name, {a: rng.choice(["semantic", "episodic", "core", "kalo boss mira"])
-                                     for a in TOOL_ARGS[name][0]})
-    name = rng.choice(list(TOOL_ARGS) + ["memory_insert", "search"])
-    args = {a: rng.choice(["semantic", "episodic", "core", "kalo boss mira", "", 5, None, [1], {"a": 1}])
-            for a in rng.sample(["memory_type", "content", "new_content", "memory_id", "extra"], rng.randint(0, 4))}
-    return tool_call_text(name, args)
-
-
-def test_fuzzed_outputs_never_raise_and_every_block_is_one_call():
-    rng = random.Random(0)
-    mem = StructuredMemory(seed=0)
-    n_ok = n_bad = 0
-    for _ in range(400):
-        text = " ".join(_random_call(rng) for _ in range(rng.randint(0, 3)))
-        if rng.random() < 0.7:
-            text = _mutate(rng, text or INSERT)
-        calls = parse_tool_calls(text)
-        # naive count: closed blocks scanning left to right, plus one for a dangling opener
-        n, pos = 0, 0
-        while (s := text.find("<tool_call>", pos)) >= 0:
-            e = text.find("</tool_call>", s)
-            n += 1
-            if e < 0:
-                break
-            pos = e + len("</tool_call>")
-        assert len(calls) == n, text
-        for c in calls:
-            assert isinstance(c, ToolCall)
-            if c.error is None:
-                required, optional = TOOL_ARGS[c.name]
-                assert set(required) <= set(c.arguments) <= set(required + optional)
-                n_ok += 1
-            else:
-                assert c.error.startswith("error:")
-                n_bad += 1
-        results = execute_tool_calls(mem, calls)                 # executing them never raises either
-        assert len(results) == len(calls)
-        assert all(ok is False for (ok, _), c in zip(results, calls) if c.error)
-    assert n_ok > 20 and n_bad > 200                             # the fuzz reaches both outcomes
-
-
-def test_execute_in_order_against_memory():
-    mem = StructuredMemory(seed=0)
-    calls = parse_tool_calls(INSERT + INSERT + tool_call_text("memory_update", {"memory_type": "core",
-                                                                                 "new_content": "day 1"}))
-    res = execute_tool_calls(mem, calls)
-    assert [ok for ok, _ in res] == [True, False, True]
-    assert "duplicate" in res[1][1] and mem.core == "day 1"
-    sid = res[0][1].split()[-1]
-    res = execute_tool_calls(mem, parse_tool_calls(
-        tool_call_text("memory_update", {"memory_type": "semantic", "new_content": "kalo boss puni", "memory_id": sid}) +
-        tool_call_text("memory_delete", {"memory_type": "semantic", "memory_id": sid}) +
-        tool_call_text("memory_delete", {"memory_type": "semantic", "memory_id": sid})))
-    assert [ok for ok, _ in res] == [True, True, False] and mem.stores["semantic"] == {}
 
 
 # --------------------------------------------------------------------------- rewards
@@ -301,105 +83,6 @@ def test_r1_batched_equals_naive_per_question():
     golds = [[(qs[0][0], [naive[0]]), (qs[0][1], ["zzz qqq"])], [(qs[1][0], [naive[2]])]]
     assert r1_accuracy(model, tok, mems, golds, k=3, max_new_tokens=6) == [0.5, 1.0]
     assert em_score(naive[1], ["zzz qqq"]) == 0.0
-
-
-# --------------------------------------------------------------------------- the memorisation task
-
-
-
-
-def test_instances_deterministic_dated_and_with_change_questions():
-    a = memalpha_data.make_memalpha_instances(3, 20, seed=1)
-    b = memalpha_data.make_memalpha_instances(3, 20, seed=1)
-    assert [c.text for i in a for c in i.chunks] == [c.text for i in b for c in i.chunks]
-    assert [i.questions for i in a] == [i.questions for i in b]
-    for inst in a:
-        days = [c.day for c in inst.chunks]
-        assert days == sorted(days) and len(set(days)) == len(days)
-        assert all(c.text.startswith(f"day {c.day} : ") for c in inst.chunks)
-        changed = [(r[1], r[2]) for c in inst.chunks for r in c.reports if r[0] in ("change", "end")]
-        if changed:
-            q, gold = inst.questions[0]
-            assert tuple(q.split()[:2]) in changed
-            last = [r for c in inst.chunks for r in c.reports if r[1:3] == tuple(q.split()[:2])][-1]
-            assert gold == [last[3] if last[0] == "change" else "none"]     # the LATEST value
-        assert any(q.startswith("when ") for q, _ in inst.questions)
-
-
-def test_hand_made_chunk_and_writer_calls():
-    chunk = memalpha_data.Chunk("day 4 : kalo boss mira .", 4, [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")])
-    mem = StructuredMemory(seed=0)
-    text = memalpha_data.writer_calls(mem, chunk)
-    calls = parse_tool_calls(text)
-    assert [(c.name, c.error) for c in calls] == [("new_memory_insert", None)] * 2 + [("memory_update", None)]
-    assert list(mem.stores["semantic"].values()) == ["kalo boss mira"]
-    assert list(mem.stores["episodic"].values()) == ["on day 4 kalo met tebo"]
-    assert mem.core == "latest report day 4"
-    sid = list(mem.stores["semantic"])[0]
-    change = memalpha_data.Chunk("day 6 : kalo boss is now puni . lapu boss ended .", 6,
-                        [("change", "kalo", "boss", "puni"), ("end", "lapu", "boss", "")])
-    replay = StructuredMemory(seed=0)
-    assert [ok for ok, _ in execute_tool_calls(replay, parse_tool_calls(text))] == [True, True, True]
-    text2 = memalpha_data.writer_calls(mem, change)
-    assert f'"memory_id": "{sid}"' in text2 and mem.stores["semantic"] == {sid: "kalo boss puni"}
-    assert memalpha_data.writer_calls(StructuredMemory(), change, flawed=True).count("<tool_call>") == 1   # core only
-    # replaying the writer's text through the parser reproduces its memory exactly
-    execute_tool_calls(replay, parse_tool_calls(text2))
-    assert replay.stores == mem.stores and replay.core == "latest report day 6"
-
-
-def _final_memory(inst, flawed):
-    mem = StructuredMemory(seed=0)
-    for c in inst.chunks:
-        view = mem.render(c.text)
-        out = memalpha_data.writer_calls(mem, c, flawed)
-        for i in re.findall(r'"memory_id": "(\w+)"', out):
-            assert f"[{i}]" in view                           # every id the writer uses is in its prompt
-    return mem
-
-
-def test_perfect_writer_answers_everything_and_the_flaw_fails_changes():
-    insts = memalpha_data.make_memalpha_instances(5, 60, seed=0)
-    right = {False: 0, True: 0}
-    n_change = 0
-    for inst in insts:
-        for flawed in (False, True):
-            mem = _final_memory(inst, flawed)
-            for q, gold in inst.questions:
-                view = answerer_messages(mem, q, 3)[1]["content"]
-                right[flawed] += memalpha_data.memory_answer(view, q) == gold[0]
-        n_change += any(r[0] in ("change", "end") for c in inst.chunks for r in c.reports)
-    n_q = sum(len(i.questions) for i in insts)
-    assert right[False] == n_q
-    assert n_q - right[True] >= n_change > 10        # the flawed writer misses at least each change question
-
-
-def test_memory_answer_reads_only_the_memory():
-    view = "core: x y z\nsemantic: kalo boss mira\nepisodic: on day 3 kalo met tebo\nquestion: lapu boss ?"
-    assert memalpha_data.memory_answer(view, "kalo boss ?") == "mira"
-    assert memalpha_data.memory_answer(view, "lapu boss ?") == "none"            # not the question line's "?"
-    assert memalpha_data.memory_answer(view, "when kalo met tebo ?") == "day 3"
-    assert memalpha_data.memory_answer(view, "when kalo met lapu ?") == "unknown"
-
-
-def test_load_memalpha_and_errors(tmp_path):
-    good = tmp_path / "m.jsonl"
-    good.write_text(json.dumps({"chunks": ["a b", "c d"], "questions_and_answers": [
-        {"question": "q1", "answer": "x"}, {"question": "q2", "answer": ["y", "z"]}]}) + "\n\n")
-    inst = memalpha_data.load_memalpha(str(good))
-    assert [c.text for c in inst[0].chunks] == ["a b", "c d"]
-    assert inst[0].questions == [("q1", ["x"]), ("q2", ["y", "z"])]
-    bad = tmp_path / "bad.jsonl"
-    cases = [("{not json", "bad.jsonl:2: not valid JSON"),
-             (json.dumps({"chunks": [], "questions_and_answers": [{"question": "q", "answer": "a"}]}), ":2: 'chunks'"),
-             (json.dumps({"chunks": ["a"], "questions_and_answers": [{"question": "q"}]}), ":2: questions_and_answers[0]"),
-             (json.dumps({"chunks": ["a"]}), ":2: 'questions_and_answers'")]
-    for line, msg in cases:
-        bad.write_text(good.read_text().splitlines()[0] + "\n" + line + "\n")
-        with pytest.raises(data.DataError, match=re.escape(msg)):
-            memalpha_data.load_memalpha(str(bad))
-    with pytest.raises(data.DataError, match="file not found"):
-        memalpha_data.load_memalpha(str(tmp_path / "missing.jsonl"))
 
 
 # --------------------------------------------------------------------------- the chunked loop
@@ -534,44 +217,6 @@ def test_sft_batches_copy_phase_then_all_rows():
     targets = [tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True) for r in rows]
     assert len(rows) == 8 and any(not t.startswith("<tool_call>") for t in targets)   # answerer rows too
     assert memalpha.memalpha_sft_batch(tok, cfg, 2)[0].ids == rows[0].ids              # deterministic per step
-
-
-# --------------------------------------------------------------------------- the word-level tokenizer
-
-def test_word_tokenizer_names_are_one_token_in_the_chunk_and_in_the_json():
-    tok = memalpha_data.build_memalpha_tokenizer()
-    chunk = "day 3 : pigo mother bufa ."
-    call = tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "pigo mother bufa"})
-    pieces = lambda s: [tok.decode([i]) for i in tok.encode(s, add_special_tokens=False)]
-    # a space before a known word of 2+ characters is implicit: the words of a fact are adjacent tokens
-    assert pieces(chunk) == ["day", " ", "3", " ", ":", " ", "pigo", "mother", "bufa", " ", "."]
-    assert pieces(call) == ['<tool_call>{"name": "', "new_memory_insert", '", "arguments": {"', "memory_type",
-                            '": "', "semantic", '", "', "content", '": "', "pigo", "mother", "bufa",
-                            '"}}</tool_call>']
-    assert pieces("on day 12 ramu") == ["on", "day", "12", "ramu"] and pieces("3 ramu") == ["3", "ramu"]
-    # a random id is spelt by characters; a word inside a longer word is not split out
-    assert pieces('"memory_id": "ka0x"') == ['"', "memory_id", '": "', "k", "a", "0", "x", '"']
-    assert pieces("memory_types") == list("memory_types")
-
-
-def test_word_tokenizer_round_trips_every_text_of_the_task_and_saves(tmp_path):
-    tok = memalpha_data.build_memalpha_tokenizer()
-    texts = memalpha_data.memalpha_texts(n=10) + ['{"name": "memory_delete"} ~!@#$%^&*()\n\t[x] <tool_call>{"name": "']
-    rng = random.Random(0)                   # fuzz: words, glue and characters with and without spaces
-    pool = memalpha_data.memalpha_words() + memalpha_data.TOOL_JSON_GLUE + list(' .:[]"{}\nab0_')
-    texts += ["".join(rng.choice(pool) + rng.choice(["", " ", "  "]) for _ in range(rng.randint(1, 12)))
-              for _ in range(500)]
-    for t in texts:
-        ids = tok.encode(t, add_special_tokens=False)
-        assert tok.unk_token_id not in ids and tok.decode(ids) == t
-    tok.save_pretrained(tmp_path)
-    again = AutoTokenizer.from_pretrained(tmp_path)
-    msgs = [{"role": "user", "content": texts[0]}]
-    assert encode_chat(again, msgs) == encode_chat(tok, msgs)
-    assert again.eos_token == "<|im_end|>" and tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
-    assert memalpha.memalpha_tokenizer(kind="word").get_vocab() == tok.get_vocab()
-    with pytest.raises(ValueError):
-        memalpha.memalpha_tokenizer(kind="chars")
 
 
 # --------------------------------------------------------------------------- checkpoint / resume

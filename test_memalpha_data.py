@@ -1,0 +1,153 @@
+"""Mem-alpha's task (recipes/memalpha_data.py): the instances, the scripted writer, the answerer's memory
+reading, the file loader and the word-level tokenizer."""
+import json
+import random
+import re
+
+import pytest
+from transformers import AutoTokenizer
+
+import data
+from recipes import memalpha, memalpha_data
+from recipes.memalpha_memory import (StructuredMemory, answerer_messages, execute_tool_calls, parse_tool_calls,
+                                     tool_call_text)
+from rollout import encode_chat
+
+
+
+
+# --------------------------------------------------------------------------- the memorisation task
+
+
+
+
+def test_instances_deterministic_dated_and_with_change_questions():
+    a = memalpha_data.make_memalpha_instances(3, 20, seed=1)
+    b = memalpha_data.make_memalpha_instances(3, 20, seed=1)
+    assert [c.text for i in a for c in i.chunks] == [c.text for i in b for c in i.chunks]
+    assert [i.questions for i in a] == [i.questions for i in b]
+    for inst in a:
+        days = [c.day for c in inst.chunks]
+        assert days == sorted(days) and len(set(days)) == len(days)
+        assert all(c.text.startswith(f"day {c.day} : ") for c in inst.chunks)
+        changed = [(r[1], r[2]) for c in inst.chunks for r in c.reports if r[0] in ("change", "end")]
+        if changed:
+            q, gold = inst.questions[0]
+            assert tuple(q.split()[:2]) in changed
+            last = [r for c in inst.chunks for r in c.reports if r[1:3] == tuple(q.split()[:2])][-1]
+            assert gold == [last[3] if last[0] == "change" else "none"]     # the LATEST value
+        assert any(q.startswith("when ") for q, _ in inst.questions)
+
+
+def test_hand_made_chunk_and_writer_calls():
+    chunk = memalpha_data.Chunk("day 4 : kalo boss mira .", 4, [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")])
+    mem = StructuredMemory(seed=0)
+    text = memalpha_data.writer_calls(mem, chunk)
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.error) for c in calls] == [("new_memory_insert", None)] * 2 + [("memory_update", None)]
+    assert list(mem.stores["semantic"].values()) == ["kalo boss mira"]
+    assert list(mem.stores["episodic"].values()) == ["on day 4 kalo met tebo"]
+    assert mem.core == "latest report day 4"
+    sid = list(mem.stores["semantic"])[0]
+    change = memalpha_data.Chunk("day 6 : kalo boss is now puni . lapu boss ended .", 6,
+                        [("change", "kalo", "boss", "puni"), ("end", "lapu", "boss", "")])
+    replay = StructuredMemory(seed=0)
+    assert [ok for ok, _ in execute_tool_calls(replay, parse_tool_calls(text))] == [True, True, True]
+    text2 = memalpha_data.writer_calls(mem, change)
+    assert f'"memory_id": "{sid}"' in text2 and mem.stores["semantic"] == {sid: "kalo boss puni"}
+    assert memalpha_data.writer_calls(StructuredMemory(), change, flawed=True).count("<tool_call>") == 1   # core only
+    # replaying the writer's text through the parser reproduces its memory exactly
+    execute_tool_calls(replay, parse_tool_calls(text2))
+    assert replay.stores == mem.stores and replay.core == "latest report day 6"
+
+
+def _final_memory(inst, flawed):
+    mem = StructuredMemory(seed=0)
+    for c in inst.chunks:
+        view = mem.render(c.text)
+        out = memalpha_data.writer_calls(mem, c, flawed)
+        for i in re.findall(r'"memory_id": "(\w+)"', out):
+            assert f"[{i}]" in view                           # every id the writer uses is in its prompt
+    return mem
+
+
+def test_perfect_writer_answers_everything_and_the_flaw_fails_changes():
+    insts = memalpha_data.make_memalpha_instances(5, 60, seed=0)
+    right = {False: 0, True: 0}
+    n_change = 0
+    for inst in insts:
+        for flawed in (False, True):
+            mem = _final_memory(inst, flawed)
+            for q, gold in inst.questions:
+                view = answerer_messages(mem, q, 3)[1]["content"]
+                right[flawed] += memalpha_data.memory_answer(view, q) == gold[0]
+        n_change += any(r[0] in ("change", "end") for c in inst.chunks for r in c.reports)
+    n_q = sum(len(i.questions) for i in insts)
+    assert right[False] == n_q
+    assert n_q - right[True] >= n_change > 10        # the flawed writer misses at least each change question
+
+
+def test_memory_answer_reads_only_the_memory():
+    view = "core: x y z\nsemantic: kalo boss mira\nepisodic: on day 3 kalo met tebo\nquestion: lapu boss ?"
+    assert memalpha_data.memory_answer(view, "kalo boss ?") == "mira"
+    assert memalpha_data.memory_answer(view, "lapu boss ?") == "none"            # not the question line's "?"
+    assert memalpha_data.memory_answer(view, "when kalo met tebo ?") == "day 3"
+    assert memalpha_data.memory_answer(view, "when kalo met lapu ?") == "unknown"
+
+
+def test_load_memalpha_and_errors(tmp_path):
+    good = tmp_path / "m.jsonl"
+    good.write_text(json.dumps({"chunks": ["a b", "c d"], "questions_and_answers": [
+        {"question": "q1", "answer": "x"}, {"question": "q2", "answer": ["y", "z"]}]}) + "\n\n")
+    inst = memalpha_data.load_memalpha(str(good))
+    assert [c.text for c in inst[0].chunks] == ["a b", "c d"]
+    assert inst[0].questions == [("q1", ["x"]), ("q2", ["y", "z"])]
+    bad = tmp_path / "bad.jsonl"
+    cases = [("{not json", "bad.jsonl:2: not valid JSON"),
+             (json.dumps({"chunks": [], "questions_and_answers": [{"question": "q", "answer": "a"}]}), ":2: 'chunks'"),
+             (json.dumps({"chunks": ["a"], "questions_and_answers": [{"question": "q"}]}), ":2: questions_and_answers[0]"),
+             (json.dumps({"chunks": ["a"]}), ":2: 'questions_and_answers'")]
+    for line, msg in cases:
+        bad.write_text(good.read_text().splitlines()[0] + "\n" + line + "\n")
+        with pytest.raises(data.DataError, match=re.escape(msg)):
+            memalpha_data.load_memalpha(str(bad))
+    with pytest.raises(data.DataError, match="file not found"):
+        memalpha_data.load_memalpha(str(tmp_path / "missing.jsonl"))
+
+
+# --------------------------------------------------------------------------- the word-level tokenizer
+
+def test_word_tokenizer_names_are_one_token_in_the_chunk_and_in_the_json():
+    tok = memalpha_data.build_memalpha_tokenizer()
+    chunk = "day 3 : pigo mother bufa ."
+    call = tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "pigo mother bufa"})
+    pieces = lambda s: [tok.decode([i]) for i in tok.encode(s, add_special_tokens=False)]
+    # a space before a known word of 2+ characters is implicit: the words of a fact are adjacent tokens
+    assert pieces(chunk) == ["day", " ", "3", " ", ":", " ", "pigo", "mother", "bufa", " ", "."]
+    assert pieces(call) == ['<tool_call>{"name": "', "new_memory_insert", '", "arguments": {"', "memory_type",
+                            '": "', "semantic", '", "', "content", '": "', "pigo", "mother", "bufa",
+                            '"}}</tool_call>']
+    assert pieces("on day 12 ramu") == ["on", "day", "12", "ramu"] and pieces("3 ramu") == ["3", "ramu"]
+    # a random id is spelt by characters; a word inside a longer word is not split out
+    assert pieces('"memory_id": "ka0x"') == ['"', "memory_id", '": "', "k", "a", "0", "x", '"']
+    assert pieces("memory_types") == list("memory_types")
+
+
+def test_word_tokenizer_round_trips_every_text_of_the_task_and_saves(tmp_path):
+    tok = memalpha_data.build_memalpha_tokenizer()
+    texts = memalpha_data.memalpha_texts(n=10) + ['{"name": "memory_delete"} ~!@#$%^&*()\n\t[x] <tool_call>{"name": "']
+    rng = random.Random(0)                   # fuzz: words, glue and characters with and without spaces
+    pool = memalpha_data.memalpha_words() + memalpha_data.TOOL_JSON_GLUE + list(' .:[]"{}\nab0_')
+    texts += ["".join(rng.choice(pool) + rng.choice(["", " ", "  "]) for _ in range(rng.randint(1, 12)))
+              for _ in range(500)]
+    for t in texts:
+        ids = tok.encode(t, add_special_tokens=False)
+        assert tok.unk_token_id not in ids and tok.decode(ids) == t
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    msgs = [{"role": "user", "content": texts[0]}]
+    assert encode_chat(again, msgs) == encode_chat(tok, msgs)
+    assert again.eos_token == "<|im_end|>" and tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
+    assert memalpha.memalpha_tokenizer(kind="word").get_vocab() == tok.get_vocab()
+    with pytest.raises(ValueError):
+        memalpha.memalpha_tokenizer(kind="chars")
