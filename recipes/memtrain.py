@@ -81,7 +81,7 @@ class MemTrainConfig(train.Config):
     run: str = flag("runs/memtrain", "output folder (metrics.jsonl, checkpoints, final/)")
     algo: str = flag("memtrain", "memtrain (this recipe; the step's log name)")
     # lr 1e-5, T 0.7 and 16 tasks a step are train.Config's RL step (issue 24; results/MEMTRAIN.md, "At the new
-    # RL step": the stage and its SFT so far, not yet its RL seeds)
+    # RL step" and "The same pipeline on another machine")
     questions: int = flag(16, "masked-reconstruction tasks per RL step")
     # --questions tasks x --group G1 end-to-end rollouts per step
     imr_group: int = flag(2, "IMR rollouts per end-to-end trajectory (G2; paper 8)")
