@@ -81,7 +81,8 @@ import rollout as engine
 import train
 from memory import Record, mem_token_end, mem_traj, prepare_prompt, tool_record
 from reward import answer_logprobs, answer_template
-from rollout import PROTOCOL_PROMPT, AgentConfig, SearchTool, encode_chat, generate, left_pad, question_prefix
+from rollout import PROTOCOL_PROMPT, AgentConfig, encode_chat, generate, left_pad, question_prefix
+from search import SearchTool
 
 DEFAULT_CHECKPOINTS = ["runs/default/final", "runs/bench_sft/final"]
 # --quick on a fresh clone trains its own, cheaper policies (kept apart, so the full figures keep theirs)
