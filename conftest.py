@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StaticCache
 import data
 import train
 from reward import _check_round, outcome_reward
-from rollout import AgentConfig, SearchTool, rollout
+from rollout import AgentConfig, rollout
+from search import SearchTool
 
 SFT_ARGS = train.SMALL_SFT_ARGS
 # 400 SFT steps (SMALL_SFT_ARGS) were at the edge: on an AMD EPYC (AVX2) at 1 and 2 threads the policy wrote

@@ -44,7 +44,7 @@ newer objective finishes, so only the newest answer survives and it answers ``un
 others. The flaw is decided per episode, not per round, so that imitation does not average it away
 (ALGORITHM.md 4.1: random per-fact drops at p = 0.3 left a strong SFT policy).
 
-The world knows no engine: the BM25 search tool is ``rollout.SearchTool``, and the expert's rows with
+The world knows no engine: the BM25 search tool is ``search.SearchTool``, and the expert's rows with
 its real results are built in sft.py.
 """
 from __future__ import annotations

@@ -32,8 +32,9 @@ from tqdm import tqdm
 import data
 from diagnostics import decisions, memory_diagnostics, p_by_round, probe_by_found, stop_value
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
-from rollout import (AgentConfig, SearchTool, checkpoint_prompt, gguf_file, load_pretrained, pick_device,
+from rollout import (AgentConfig, checkpoint_prompt, gguf_file, load_pretrained, pick_device,
                      run_episodes)
+from search import Retriever, SearchTool, open_search
 import viz
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
@@ -70,7 +71,7 @@ def summarize(trajs: list) -> dict:
             | ({"early": sum(early) / len(early)} if early else {}))
 
 
-def evaluate(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
+def evaluate(model, tokenizer, tasks: list, tool: Retriever, agent: AgentConfig, batch: int = 64,
              bar=None) -> dict:
     """Rollouts of ``tasks`` -> mean metrics."""
     return summarize(run_episodes(model, tokenizer, tasks, tool, agent, batch, bar))
@@ -298,10 +299,10 @@ def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) ->
     / or written as one page (viz.write_page), with each round's P_full / P_mem as the run's reward saw them."""
     agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
     k = args.objectives[0]
-    if args.data or args.corpus:
-        if not args.corpus:
-            raise SystemExit("--data needs --corpus")
-        tool = SearchTool(data.load_corpus(args.corpus))
+    if args.data or args.corpus or args.search_url:
+        if not (args.corpus or args.search_url):
+            raise SystemExit("--data needs --corpus or --search-url")
+        tool = open_search(args.corpus, args.search_url)
         tasks = data.load_qa(args.data) if args.data else []
     else:
         tasks, tool = embedded_tasks(k, args.show or args.tasks, args.seed, args.split, hops)
@@ -342,7 +343,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--probe-think", default="", help="with --diagnostics: the probes' think word (default: the run's)")
     p.add_argument("--plot", default="", metavar="FOLDER", help="with --compare: write F1-vs-K and retention PNGs here")
     p.add_argument("--data", default="", help="QA file (JSONL/parquet) instead of the embedded world")
-    p.add_argument("--corpus", default="", help="corpus JSONL for --data")
+    p.add_argument("--corpus", default="", help="corpus JSONL for --data (or an index folder from search.py index)")
+    p.add_argument("--search-url", default="", help="a Search-R1 retrieval server for --data, "
+                                                      "http://HOST:PORT/retrieve (search.py serve)")
     p.add_argument("--compose", type=int, nargs="+", default=[], metavar="K",
                    help="with --data: MEM1-style K-objective questions joined from the file's, one table row per K")
     p.add_argument("--system-prompt", default="", help="text file with the system prompt (default: the checkpoint's)")
@@ -415,14 +418,16 @@ def main(argv=None) -> None:
         print(json.dumps({"checkpoint": args.checkpoint, "other": args.decisions, "decisions": out}))
         return
     if args.data:
-        if not args.corpus:
-            raise SystemExit("--data needs --corpus")
-        tasks, tool = data.load_qa(args.data), SearchTool(data.load_corpus(args.corpus))
+        if not (args.corpus or args.search_url):
+            raise SystemExit("--data needs --corpus or --search-url")
+        tasks, tool = data.load_qa(args.data), open_search(args.corpus, args.search_url)
         sets = {k: data.compose_tasks(tasks, k, args.seed) for k in args.compose} or {"all": tasks}
         agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt, args.temperature)
         bar = progress_bar(sum(len(t) for t in sets.values()))
         results = {k: evaluate(model, tokenizer, t, tool, agent, bar=bar) for k, t in sets.items()}
         bar.close()
+        if tool.failures:
+            print(f"search: {tool.failures} searches failed (their rounds saw the failure)", file=sys.stderr)
     else:
         results = evaluate_embedded(model, tokenizer, args.objectives, args.tasks, args.seed, args.split,
                                     args.context, args.max_turns, (a, b), args.max_new_tokens, progress=True,

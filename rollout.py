@@ -1,4 +1,4 @@
-"""Rollouts: a batched KV-cache sampling engine, the search / access tools, and the MemPO agent loop.
+"""Rollouts: a batched KV-cache sampling engine and the MemPO agent loop (its search / access tools: search.py).
 
 Engine (``generate``): token ids in, sampled ids out; it knows nothing of tags. Prompts are left
 padded and prefilled in one forward; identical prompts (the G rollouts of a question in round 1)
@@ -50,10 +50,10 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-from rank_bm25 import BM25Okapi
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, StaticCache
 
 from memory import Record, mem_token_end, prepare_prompt, tool_record
+from search import Retriever
 
 PROTOCOL_PROMPT = """You are a research agent that answers questions by searching a document collection. \
 You work in rounds. Each round you write, in this order and nothing else:
@@ -432,32 +432,6 @@ def prefix_mask(shared: list[tuple[int, ...]], device) -> torch.Tensor:
     return (torch.arange(P, device=device) >= P - lens[:, None]).long()
 
 
-# --------------------------------------------------------------------------- tools
-
-def bm25_tokens(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
-
-
-class SearchTool:
-    """BM25 (``rank-bm25``) over a corpus of ``{"id", "contents"}``: ``search`` top-k, ``access`` one document."""
-
-    def __init__(self, docs: list[dict], top_k: int = 3):
-        self.docs, self.top_k = docs, top_k
-        self.by_id = {d["id"]: d for d in docs}
-        self.bm25 = BM25Okapi([bm25_tokens(d["contents"]) for d in docs])
-
-    def search(self, query: str) -> str:
-        scores = self.bm25.get_scores(bm25_tokens(query))
-        top = sorted(range(len(self.docs)), key=lambda i: -scores[i])[: self.top_k]
-        body = " | ".join(f"{self.docs[i]['id']} {self.docs[i]['contents']}" for i in top)
-        return f"<information> {body} </information>"
-
-    def access(self, doc_id: str) -> str:
-        d = self.by_id.get(doc_id.strip())
-        body = f"{d['id']} {d['contents']}" if d else "not found"
-        return f"<information> {body} </information>"
-
-
 # --------------------------------------------------------------------------- the agent loop
 
 @dataclass
@@ -541,7 +515,7 @@ def parse_action(text: str) -> tuple[str | None, str]:
     return (m.group(1), m.group(2).strip()) if m else (None, "")
 
 
-def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cfg: AgentConfig,
+def rollout(model, tokenizer, tasks: list, group_size: int, tool: Retriever, cfg: AgentConfig,
             generator: torch.Generator | None = None) -> list[Trajectory]:
     """Run ``group_size`` trajectories per task through the multi-turn loop; returns them in task order."""
     keep = None if cfg.context == "full" else cfg.keep_rounds
@@ -570,22 +544,26 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cf
         outs = generate(model, [c + p for c, p in zip(contexts, prefixes)], cfg.max_new_tokens,
                         pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, stops=stops,
                         temperature=cfg.temperature, top_p=cfg.top_p, generator=generator, prefix_cache=cache)
+        searching, queries = [], []
         for t, ctx, pre, out in zip(live, contexts, prefixes, outs):
             text = cut_at_stop(tokenizer.decode(pre + out))     # ids stay exactly as sampled
             kind, body = parse_action(text)
             t.rounds.append(Round(ctx, pre, out, text, mem_token_end(tokenizer, pre + out), kind))
             t.records.append(Record("llm_gen", text))
             if kind == "search":
-                t.records.append(tool_record("search_results", tool.search(body), cfg.webpage_chars))
+                searching.append(t)
+                queries.append(body)
             elif kind == "access":
                 t.records.append(tool_record("webpage", tool.access(body), cfg.webpage_chars))
             else:
                 t.answer = body if kind == "answer" else None
                 t.done = True
+        for t, obs in zip(searching, tool.search_batch(queries)):     # the round's searches: one batch
+            t.records.append(tool_record("search_results", obs, cfg.webpage_chars))
     return trajs
 
 
-def run_episodes(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
+def run_episodes(model, tokenizer, tasks: list, tool: Retriever, agent: AgentConfig, batch: int = 64,
                  bar=None) -> list[Trajectory]:
     """One rollout per task (greedy when ``agent.temperature == 0``), ``batch`` tasks a call, in task order."""
     trajs = []

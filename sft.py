@@ -41,7 +41,8 @@ from checkpoint import log_jsonl, save_checkpoint
 from grpo import Sample, collate, micro_batches
 from memory import Record, extract_mem, prepare_prompt, tool_record
 from reward import answer_template, outcome_reward
-from rollout import AgentConfig, SearchTool, autocast, encode_chat, parse_action, run_episodes
+from rollout import AgentConfig, autocast, encode_chat, parse_action, run_episodes
+from search import SearchTool
 
 
 # --------------------------------------------------------------------------- rows of the cold start

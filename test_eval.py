@@ -4,7 +4,8 @@ import json
 import data
 from diagnostics import memory_diagnostics
 from eval import mean_ci, summarize
-from rollout import AgentConfig, SearchTool
+from rollout import AgentConfig
+from search import SearchTool
 
 
 def test_mean_ci():

@@ -22,8 +22,9 @@ import sft
 import train
 from memory import mem_token_end
 from reward import answer_template
-from rollout import (AgentConfig, PROTOCOL_PROMPT, SearchTool, checkpoint_prompt, encode_chat, generate, left_pad,
+from rollout import (AgentConfig, PROTOCOL_PROMPT, checkpoint_prompt, encode_chat, generate, left_pad,
                      parse_action, rollout, run_episodes, stop_strings)
+from search import SearchTool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

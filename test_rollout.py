@@ -7,7 +7,8 @@ import torch
 import data
 import grpo
 from reward import outcome_reward
-from rollout import AgentConfig, SearchTool, generate, left_pad, parse_action, rollout, sample_next, stop_strings
+from rollout import AgentConfig, generate, left_pad, parse_action, rollout, sample_next, stop_strings
+from search import SearchTool
 
 
 @pytest.fixture(scope="module")

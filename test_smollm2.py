@@ -28,8 +28,9 @@ from conftest import ExpertTape
 from grpo import collate
 from memory import mem_token_end
 from reward import answer_template, outcome_reward
-from rollout import (PROTOCOL_PROMPT, AgentConfig, SearchTool, encode_chat, generate, left_pad, parse_action,
+from rollout import (PROTOCOL_PROMPT, AgentConfig, encode_chat, generate, left_pad, parse_action,
                      stop_strings)
+from search import SearchTool
 
 CPU = torch.device("cpu")
 SHORT_PROMPT = data.SYSTEM_PROMPT        # --system-prompt of the train.py tests: short rows, fast steps

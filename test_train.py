@@ -17,7 +17,8 @@ import reward
 import rollout
 import sft
 import train
-from rollout import AgentConfig, SearchTool
+from rollout import AgentConfig
+from search import SearchTool
 
 # The fixture policy answers no question right (every score 0), so an update needs the memory reward to
 # vary: threshold 0 makes P a geometric mean over all gold tokens (never exactly 0). Measured on the
@@ -37,7 +38,8 @@ def read_metrics(path):
 
 def test_sft_loss_falls_and_policy_writes_valid_rounds(sft_run):
     from reward import _check_round, outcome_reward
-    from rollout import SearchTool, rollout
+    from rollout import rollout
+    from search import SearchTool
     m = read_metrics(sft_run / "metrics.jsonl")
     losses = [r["loss"] for (stage, _), r in sorted(m.items()) if stage == "sft"]
     assert losses[-1] < 0.5 * losses[0]
@@ -430,7 +432,7 @@ def test_fresh_run_refuses_a_folder_that_holds_a_run(tmp_path):
 
 def test_expert_samples_renders_only_the_requested_rounds_identically():
     import random
-    from rollout import SearchTool
+    from search import SearchTool
     tok, rng = data.build_tokenizer(), random.Random(0)
     world = data.make_world(1)
     tool = SearchTool(world.docs)
@@ -449,7 +451,7 @@ def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():
     tok = data.build_tokenizer()
     world = data.make_world(3)
     task = data.make_task(world, _random.Random(1), 2, (1, 2))
-    tool = rollout.SearchTool(world.docs)
+    tool = SearchTool(world.docs)
     ep = data.expert_episode(task, True)
     rows = sft.probe_samples(tok, task, tool, True, _random.Random(0), 1.0)
     assert len(rows) == 2 * (len(ep) - 1)                       # two rows for every round >= 2, none for round 1

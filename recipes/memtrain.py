@@ -69,7 +69,8 @@ from memory import Record, extract_mem, mem_token_end, prepare_prompt, tool_reco
 from recipes.memtrain_tasks import (MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks,
                                     memtrain_expert_rounds, world_memtrain_tasks)
 from reward import em_score
-from rollout import Round, SearchTool, cut_at_stop, encode_chat, generate, stop_strings
+from rollout import Round, cut_at_stop, encode_chat, generate, stop_strings
+from search import SearchTool
 from sft import run_sft
 
 flag = train.flag

@@ -37,7 +37,7 @@ from rank_bm25 import BM25Okapi
 from transformers import AddedToken
 
 from data import DataError, World, make_world, name_pool
-from rollout import bm25_tokens
+from search import bm25_tokens
 
 MASK, TARGET = "[MASK]", "[TARGET]"
 MEMTRAIN_WORDS = [MASK, TARGET, "which", "entity", "is", "of"]   # words the world's vocabulary lacks
