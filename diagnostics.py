@@ -1,7 +1,7 @@
 """Diagnostics: look inside embedded-world episodes, where the world's facts are known.
 
 What ``<mem>`` kept: ``memory_diagnostics`` (retention by rounds-ago, faithfulness, turn drift), ``probe_by_found``
-(the memory reward's two probes split by found / kept / dropped) and ``p_by_round``. What RL changed (issue 24):
+(the memory reward's two probes split by found / kept / dropped) and ``p_by_round``. What RL changed:
 ``stop_value`` (does the objective pay for answering early), ``first_error`` and ``decisions`` (does an RL
 checkpoint fix its SFT start's greedy errors, does it change the choices the start got right).
 
@@ -82,7 +82,7 @@ def _has_fact(text: str, fact: tuple[str, str, str]) -> bool:
 
 def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float = THRESHOLD,
                    mask_mode: str = MEM_MASK, think: str = PROBE_THINK, context: str = "snail") -> dict:
-    """The memory reward's two probes where the answer is known (issue 13), on embedded-world trajectories.
+    """The memory reward's two probes where the answer is known, on embedded-world trajectories.
 
     For every scored round (t >= 2 with a ``<mem>``) and objective k: **found** when the round's context
     holds the objective's last fact ``s r answer``: an earlier ``<mem>`` entry k holds it, or an earlier round
@@ -149,7 +149,7 @@ def p_by_round(model, tokenizer, trajs: list, threshold: float = THRESHOLD,
             for key, v in sorted(rows.items(), key=lambda kv: (len(kv[0]), kv[0]))}
 
 
-# --------------------------------------------------------------------------- what RL changed (issue 24)
+# --------------------------------------------------------------------------- what RL changed
 
 STOP_TEXT = " <think> answer </think> <answer>"     # the expert's answer action after its <mem> (data.expert_rounds)
 

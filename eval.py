@@ -14,7 +14,7 @@ pool of entity names as training; ``--split valid`` and ``--split test`` are dis
 pick settings on ``valid``, report on ``test``.
 
 ``--diagnostics`` reads the memory reward's settings from the run's ``config.json`` (``run_reward_config``).
-``--stop-value`` and ``--decisions RUN`` are RL's diagnostics (issue 24): does the objective pay for answering
+``--stop-value`` and ``--decisions RUN`` are RL's diagnostics: does the objective pay for answering
 early, and does an RL checkpoint fix its SFT start's greedy errors or change its right choices. The checks
 themselves live in ``diagnostics.py`` (plain functions over episodes); this file runs them and prints them.
 Other recipes have their own evaluations: ``python -m recipes.memalpha_eval``, ``python -m recipes.memtrain_eval``.
@@ -263,7 +263,7 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
     return out
 
 
-# --------------------------------------------------------------------------- RL's diagnostics (issue 24): printers
+# --------------------------------------------------------------------------- RL's diagnostics: printers
 
 def print_stop_value(res: dict, title: str = "") -> None:
     """``stop_value``'s table: rows by the answers still missing from the round's <mem>, then by round."""

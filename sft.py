@@ -11,7 +11,7 @@ checkpoints). MemPO's cold start (``cold_start``) feeds it:
   results) on a world drawn for the step, a few rounds per episode, the K curriculum, ``--forget-p`` of the
   episodes with the forgetting flaw; plus probe rows (``probe_samples``, ``--sft-probe``): both contexts the
   memory reward scores -> the answers that context holds, after a ``<think> probe </think> <answer>``
-  marker without loss (issue 13; reward.py, "Where the probes sit");
+  marker without loss (reward.py, choice 1);
 * or, with ``--sft-data``, ``file_batch``: rounds of a chat-format trajectory file, rendered with the run's
   system prompt.
 
@@ -122,7 +122,7 @@ def expert_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, m
 def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rng: random.Random, p: float,
                   system_prompt: str = data.SYSTEM_PROMPT, rounds: set[int] | None = None,
                   context: str = "snail", think: str = data.PROBE, turns: list | None = None) -> list[Sample]:
-    """Probe rows: teach the policy to answer from BOTH contexts the memory reward scores (issue 13).
+    """Probe rows: teach the policy to answer from BOTH contexts the memory reward scores.
 
     For each expert round t >= 2 (``rounds`` of them; with probability ``p``) two rows, so neither probe is
     favoured: ``full_traj`` (the round's context as the agent saw it, no forced prefix) -> the answers that

@@ -243,7 +243,7 @@ def test_one_rl_step_moves_the_weights_and_saves_checkpoints_that_load_back(smol
     assert all(torch.equal(a, b) for a, b in zip(ckpt.parameters(), final.parameters()))
     assert (run / "ckpt" / "trainer.pt").exists() and "quantization_config" not in json.load(open(run / "final" / "config.json"))
     assert tok2.chat_template == tok.chat_template and rollout.checkpoint_prompt(ev.checkpoint_dir(str(run))) == SHORT_PROMPT
-    shutil.rmtree(run)                      # 2.2 GB (ckpt/ holds AdamW's state); pytest keeps 3 sessions' tmp
+    shutil.rmtree(run)                      # 2.2 GB (ckpt/ holds AdamW's state); pytest keeps the last 3 runs' tmp
 
 
 def test_sft_on_exported_trajectories_lowers_the_loss(smol, exported, tmp_path):

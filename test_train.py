@@ -103,7 +103,7 @@ def test_outcome_norm_none_gives_the_rl_step_score_minus_group_mean(sft_run, mon
 
 
 def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
-    """Policy-gradient sanity (issue 24): sampled rollouts of the trained policy, MemPO's advantages as rl_step
+    """Policy-gradient sanity: sampled rollouts of the trained policy, MemPO's advantages as rl_step
     builds them, one AdamW step at a small lr; re-scored on the same batch, sum(A * log pi) over the loss tokens
     must rise (first order: AdamW's first step moves each weight by lr * sign(grad), so the change is
     lr * sum|grad| > 0). A sign error, a misplaced advantage or a mask that hides the sampled tokens fails it."""

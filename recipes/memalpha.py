@@ -91,7 +91,7 @@ class MemAlphaConfig(train.Config):
     facts_per_chunk: int = flag(2, "new facts per chunk")
     questions_per_instance: int = flag(4, "questions per instance")
     flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises")
-    # lr 1e-5 and T 0.7 are train.Config's (issue 24); 8 instances, not 4, for the same reason train.py's
+    # lr 1e-5 and T 0.7 are train.Config's; 8 instances, not 4, for the same reason train.py's
     # questions went 8 -> 16: half the gradient's sampling noise (3 seeds: no RL effect at either step,
     # results/MEMALPHA.md section 9)
     instances: int = flag(8, "instances per GRPO step")

@@ -1,4 +1,4 @@
-"""MemTrain: self-supervised memory pre-training of the memory agent (ALGORITHM.md section 3).
+"""MemTrain: self-supervised memory pre-training of the memory agent (the MemTrain paper's recipe).
 
     python -m recipes.memtrain --model SFT_RUN/final --run runs/memtrain    # then: train.py --model runs/memtrain/final
 
@@ -80,7 +80,7 @@ class MemTrainConfig(train.Config):
     """MemTrain: self-supervised memory pre-training (masked reconstruction + IMR)."""
     run: str = flag("runs/memtrain", "output folder (metrics.jsonl, checkpoints, final/)")
     algo: str = flag("memtrain", "memtrain (this recipe; the step's log name)")
-    # lr 1e-5, T 0.7 and 16 tasks a step are train.Config's RL step (issue 24; results/MEMTRAIN.md, "At the new
+    # lr 1e-5, T 0.7 and 16 tasks a step are train.Config's RL step (results/MEMTRAIN.md, "At the new
     # RL step" and "The same pipeline on another machine")
     questions: int = flag(16, "masked-reconstruction tasks per RL step")
     # --questions tasks x --group G1 end-to-end rollouts per step

@@ -1,4 +1,4 @@
-"""MemTrain's evaluation: reconstruction and IMR accuracy of the memory agent (greedy), ALGORITHM.md section 3.
+"""MemTrain's evaluation: reconstruction and IMR accuracy of the memory agent (greedy).
 
     python -m recipes.memtrain_eval --checkpoint runs/memtrain [--corpus wiki.jsonl]
 
