@@ -87,36 +87,16 @@ def expert_turns(task: data.Task, tool: SearchTool, forget: bool) -> list[tuple[
 
 
 def expert_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, mem_prefix: bool = True,
-                   system_prompt: str = data.SYSTEM_PROMPT, mem_answer: float = 0.0,
-                   rng: random.Random | None = None, rounds: set[int] | None = None,
+                   system_prompt: str = data.SYSTEM_PROMPT, rounds: set[int] | None = None,
                    turns: list | None = None) -> list[Sample]:
     """Rows of one scripted expert episode (``episode_samples`` with the BM25 tool's real results).
 
     ``turns``: the episode's ``expert_turns`` when the caller has them (sft_batch shares them with the
     probe rows); else they are made here.
-
-    With ``mem_answer`` > 0, each rendered round >= 2 also yields (with that probability) a memory-only
-    row: ``mem_traj`` (initial prompt + the round's ``<mem>``) -> ``<think> answer </think> <answer> ...``,
-    answering from memory alone (``unknown`` where it holds no answer) -- the context P_mem scores.
     """
     turns = turns if turns is not None else expert_turns(task, tool, forget)
-    out = episode_samples(tokenizer, task.question, [(text, res) for text, _, res in turns], system_prompt,
-                          mem_prefix, rounds)
-    if mem_answer > 0 and rng is not None:
-        prompt_ids = encode_chat(tokenizer, prepare_prompt([Record("prompt", task.question)], system_prompt))
-        rows, k = [], 0
-        for t, (text, _, _) in enumerate(turns):
-            if rounds is not None and t not in rounds:
-                continue
-            rows.append(out[k])
-            k += 1
-            if t > 0 and rng.random() < mem_answer:
-                mem = extract_mem(text)
-                ctx2 = prompt_ids + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False)
-                answer = f"<think> answer </think> <answer> {data.answers_from_mem(task, mem)} </answer>"
-                rows.append(Sample(ctx2 + tokenizer.encode(answer, add_special_tokens=False), len(ctx2)))
-        out = rows
-    return out
+    return episode_samples(tokenizer, task.question, [(text, res) for text, _, res in turns], system_prompt,
+                           mem_prefix, rounds)
 
 
 def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rng: random.Random, p: float,
@@ -131,7 +111,7 @@ def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rn
     the reward's own template ``<think> probe </think> <answer> a1 ; a2 </answer>``; the loss starts at the
     first answer word, so the marker (``<think> probe``) is never learnt as an output: the policy's own
     choice after ``</mem>`` (search or answer) gets no gradient from these rows and it does not learn to
-    stop early (what ``--sft-mem-answer`` rows, which do train ``<think> answer``, did). ``turns``: as in
+    stop early (rows that train ``<think> answer`` right after a ``<mem>`` teach exactly that). ``turns``: as in
     ``expert_samples``.
     """
     turns = turns if turns is not None else expert_turns(task, tool, forget)
@@ -178,8 +158,7 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
         keep = set(rng.sample(range(n_rounds), min(n_rounds, 4)))        # a few rounds per episode: more episodes
         forget = rng.random() < cfg.forget_p
         turns = expert_turns(task, tool, forget)                         # searched once for both kinds of row
-        out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt,
-                              mem_answer=cfg.sft_mem_answer, rng=rng, rounds=keep, turns=turns)
+        out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt, rounds=keep, turns=turns)
         if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay
             probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, system_prompt, rounds=keep,
                                     context=cfg.train_context, think=cfg.probe_think, turns=turns)

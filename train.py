@@ -141,8 +141,6 @@ class Config:
     mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
     faithful: bool = flag(False, "the paper's memory reward exactly: --mem-mask separate --mem-adv-norm std "
                                  "--mem-weight 1, no gate")
-    sft_mem_answer: float = flag(0.0, "probability per expert round of an extra SFT row (prompt + <mem> -> answer), "
-                                      "so P_mem is in distribution")
     # without probe rows the small policy cannot answer right after a context (P_full ~0)
     sft_probe: float = flag(0.3, "probability per expert round >= 2 of two extra SFT rows, round context -> answer "
                                  "known so far and prompt + <mem> -> answer held in memory, after a '<think> probe "
