@@ -438,9 +438,9 @@ def test_expert_samples_renders_only_the_requested_rounds_identically():
         task = data.make_task(world, rng, rng.randint(1, 4), (1, 3))
         full = sft.expert_samples(tok, task, tool, forget=True)
         assert len(full) == sum(len(o.relations) for o in task.objectives) + 1     # one search per hop + answer
-        keep = {0, len(full) // 2, len(full) - 1}
-        part = sft.expert_samples(tok, task, tool, forget=True, rounds=keep)
-        assert [(s.ids, s.n_prompt) for s in part] == [(full[t].ids, full[t].n_prompt) for t in sorted(keep)]
+        picked = {0, len(full) // 2, len(full) - 1}
+        part = sft.expert_samples(tok, task, tool, forget=True, picked_rounds=picked)
+        assert [(s.ids, s.n_prompt) for s in part] == [(full[t].ids, full[t].n_prompt) for t in sorted(picked)]
 
 
 def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():

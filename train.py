@@ -391,10 +391,11 @@ def agent_config(cfg: Config, system_prompt: str = data.SYSTEM_PROMPT) -> AgentC
 SECONDS = ("sec_rollout", "sec_reward", "sec_update")
 
 
-def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: str, ckpt: str, step,
+def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: str, ckpt: str, take_step,
            system_prompt: str = data.SYSTEM_PROMPT, validate: bool = True) -> None:
-    """RL steps ``start .. --rl-steps``: ``step(ref_model, s)`` -> the step's metrics (``rl_step``, or a recipe's
-    step), a greedy K=4 check every ``--eval-every`` steps when ``validate``, a checkpoint every ``--save-every``."""
+    """RL steps ``start .. --rl-steps``: ``take_step(model, ref_model, optimizer, s)`` -> the step's metrics
+    (``rl_step``, or a recipe's step), a greedy K=4 check every ``--eval-every`` steps when ``validate``, a
+    checkpoint every ``--save-every``."""
     ref_model = None
     logged = cfg.log_kl and not dist.DIST.fsdp and (start == 0 or os.path.isdir(os.path.join(cfg.run, "ref")))
     if cfg.kl_coef > 0 or logged:       # logged: how far RL moved, as "kl" (a run resumed from before it: none)
@@ -404,7 +405,7 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
     bar = tqdm(range(start, cfg.rl_steps), desc=f"rl/{cfg.algo}", initial=start, total=cfg.rl_steps,
                disable=dist.DIST.rank > 0)
     for s in bar:
-        m = step(ref_model, s)
+        m = take_step(model, ref_model, optimizer, s)
         m.update(dist.slowest(m, tuple(k for k in SECONDS if k in m)))      # the slowest rank sets the step's time
         if model.device.type == "cuda":
             m["peak_cuda_mb"] = torch.cuda.max_memory_allocated(model.device) / 2**20
@@ -470,9 +471,10 @@ def load_policy(cfg: Config, device: torch.device):
 
 
 def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, trainer: dict | None, metrics_path: str,
-                 step, trajectories=None, before_rl=None, validate: bool = True) -> None:
+                 take_step, trajectories=None, before_rl=None, validate: bool = True) -> None:
     """The stages of a run after its model is loaded and wrapped: SFT (``sft.cold_start``), then RL with
-    ``step(model, ref_model, optimizer, s)``, then ``RUN/final``. ``before_rl(optimizer)``: a recipe's hook."""
+    ``take_step(model, ref_model, optimizer, s)`` (``run_rl``), then ``RUN/final``. ``before_rl()``: a recipe's
+    hook, called once before the first RL step."""
     ckpt = os.path.join(cfg.run, "ckpt")
     if state["stage"] == "sft" and cfg.sft_steps > 0:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -488,8 +490,7 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
     if before_rl is not None and state["step"] == 0:
         before_rl()
     if cfg.rl_steps > 0:
-        run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt,
-               lambda ref_model, s: step(model, ref_model, opt, s), prompt, validate)
+        run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, take_step, prompt, validate)
     model_sd, _ = dist.full_state(model, None)
     if dist.DIST.rank == 0:
         checkpoint.save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd)
@@ -507,8 +508,11 @@ def main(argv=None) -> None:
     model = dist.wrap_for_training(model, device)       # torchrun: DDP or FSDP2; plain: unchanged
     checkpoint.write_config(cfg.run, asdict(cfg))
     agent = agent_config(cfg, prompt)
-    step = lambda model, ref_model, opt, s: rl_step(model, ref_model, tokenizer, opt, cfg, s, agent, real_tasks, real_tool)
-    train_policy(cfg, model, tokenizer, prompt, state, trainer, metrics_path, step, trajectories,
+
+    def take_step(model, ref_model, optimizer, s: int) -> dict:      # one MemPO (or GRPO) step on this run's data
+        return rl_step(model, ref_model, tokenizer, optimizer, cfg, s, agent, real_tasks, real_tool)
+
+    train_policy(cfg, model, tokenizer, prompt, state, trainer, metrics_path, take_step, trajectories,
                  validate=real_tasks is None)
 
 

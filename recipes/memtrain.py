@@ -303,9 +303,12 @@ def main(argv=None) -> None:
     add_words(tokenizer, model, MEMTRAIN_WORDS)        # [MASK], [TARGET], ... (no-op for BPE)
     model = dist.wrap_for_training(model, device)
     checkpoint.write_config(cfg.run, asdict(cfg))
-    step = lambda model, ref_model, opt, s: memtrain_step(model, ref_model, tokenizer, opt, cfg, s, real_tool)
+
+    def take_step(model, ref_model, optimizer, s: int) -> dict:      # one MemTrain RL step
+        return memtrain_step(model, ref_model, tokenizer, optimizer, cfg, s, real_tool)
+
     warmup = (lambda: run_memtrain_warmup(model, tokenizer, cfg, metrics_path, real_tool)) if cfg.memtrain_warmup else None
-    train.train_policy(cfg, model, tokenizer, prompt, state, trainer, metrics_path, step, trajectories, warmup,
+    train.train_policy(cfg, model, tokenizer, prompt, state, trainer, metrics_path, take_step, trajectories, warmup,
                        validate=not cfg.data)
 
 
