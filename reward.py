@@ -292,16 +292,71 @@ def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float =
 
     ``gate``: a memory that is not ``mem_grounded`` in the question and earlier tool results gets
     ``min(mem_reward, 0)`` (no credit for invented facts; an option, not in the paper).
+
+    Returns one dict: ``rewards[i]`` / ``rounds[i]`` (trajectory i's rewards and their round indices),
+    ``scored`` (the N (i, t) pairs in the order of every per-round value), ``p_mem`` / ``p_full`` and
+    ``mask_mem`` / ``mask_full`` (N,) (P and its count of confident gold words), ``word_logp_mem`` /
+    ``word_logp_full`` (N, W), ``n`` = N, ``ungrounded`` (rounds the gate capped), ``empty_frac`` and
+    ``no_signal_frac`` (the share of rounds with a probe, or both, confident on no gold word).
     """
     if mask_mode not in ("separate", "full"):
         raise ValueError(f"unknown mask_mode {mask_mode!r}")
+    # 1. the rounds scored: t >= 2 (index >= 1) whose <mem> span closed
     scored = [(i, t) for i, tr in enumerate(trajs) for t, r in enumerate(tr.rounds)
               if t >= 1 and r.mem_end > 0]
-    out = {"rewards": [[] for _ in trajs], "rounds": [[] for _ in trajs], "p_mem": [],
-           "p_full": [], "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "no_signal_frac": 0.0,
-           "n": len(scored), "ungrounded": 0}
-    if not scored:
-        return out
+    N = len(scored)
+
+    # 2. the 2N (context, answer) pairs: full_traj[i,t], then mem_traj[i,t]; the answer template on both
+    templates = {i: answer_template(tokenizer, trajs[i].golds, think) for i, _ in scored}
+    full_traj = [trajs[i].rounds[t].context_ids for i, t in scored]
+    mem_trajs = [mem_traj(trajs[i].prompt_ids, trajs[i].rounds[t].round_ids, trajs[i].rounds[t].mem_end)
+                 for i, t in scored]
+    answers = [templates[i][0] for i, _ in scored]
+
+    # 3. ONE batched no-grad forward: log p of every answer token, zero-padded to (2N, A)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    logps = answer_logprobs(model, full_traj + mem_trajs, answers + answers, pad_id, token_budget) if N else []
+    A = max((len(a) for a in answers), default=0)
+    logp = torch.zeros(2 * N, A)                                                   # (2N, A)
+    words = torch.zeros(N, A, dtype=torch.long)                                    # (N, A) gold word numbers
+    for r, lp in enumerate(logps):
+        logp[r, :len(lp)] = lp
+    for r, (i, _) in enumerate(scored):
+        words[r, :len(templates[i][1])] = torch.tensor(templates[i][1], dtype=torch.long)
+
+    # 4. per gold WORD (sum of its tokens' log-probs), so confidence means "the whole name"; P per side
+    logp_full, ans_mask = word_logprobs(logp[:N], words)                           # (N, W)
+    logp_mem, _ = word_logprobs(logp[N:], words)
+    log_thr = math.log(threshold) if threshold > 0 else -math.inf
+    conf_full = logp_full > log_thr
+    conf_mem = conf_full if mask_mode == "full" else logp_mem > log_thr
+    p_full = answer_prob(logp_full, ans_mask, conf_mask=conf_full)                 # (N,)
+    p_mem = answer_prob(logp_mem, ans_mask, conf_mask=conf_mem)
+    n_full, n_mem = (ans_mask & conf_full).sum(-1), (ans_mask & conf_mem).sum(-1)
+
+    # 5. mem_reward = P_mem - P_full, capped at 0 for a memory the gate finds ungrounded
+    rewards: list[list[float]] = [[] for _ in trajs]
+    rounds: list[list[int]] = [[] for _ in trajs]
+    ungrounded = 0
+    for r, (i, t) in enumerate(scored):
+        reward = float(p_mem[r] - p_full[r])
+        if gate:
+            tr = trajs[i]
+            tools = [rec.text for rec in tr.records if rec.type in ("search_results", "webpage")][:t]
+            if not mem_grounded(extract_mem(tr.rounds[t].text) or "", [tr.question] + tools):
+                reward = min(reward, 0.0)
+                ungrounded += 1
+        rewards[i].append(reward)
+        rounds[i].append(t)
+
+    # 6. one result. empty_frac: a probe with no confident answer word on either side; with separate masks
+    # that includes a dropped answer (P_full confident, P_mem empty: a strong negative reward).
+    # no_signal_frac: NEITHER probe is confident, the only rounds whose reward is 0 by construction
+    share = lambda flags: float(flags.float().mean()) if N else 0.0
+    return {"rewards": rewards, "rounds": rounds, "scored": scored, "n": N, "ungrounded": ungrounded,
+            "p_mem": p_mem.tolist(), "p_full": p_full.tolist(), "mask_mem": n_mem.tolist(),
+            "mask_full": n_full.tolist(), "word_logp_full": logp_full, "word_logp_mem": logp_mem,
+            "empty_frac": share((n_full == 0) | (n_mem == 0)), "no_signal_frac": share((n_full == 0) & (n_mem == 0))}
     templates = {i: answer_template(tokenizer, trajs[i].golds, think) for i, _ in scored}
     full_traj = [trajs[i].rounds[t].context_ids for i, t in scored]
     mem_trajs = [mem_traj(trajs[i].prompt_ids, trajs[i].rounds[t].round_ids, trajs[i].rounds[t].mem_end)
