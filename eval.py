@@ -129,7 +129,7 @@ def checkpoint_dir(path: str) -> str:
 
 
 def load(path: str, device):
-    """(model, tokenizer, system prompt) of a checkpoint (or a model from elsewhere: ``rollout.load_pretrained``);
+    """(model, tokenizer, system prompt) of a checkpoint (or a model from elsewhere: ``models.load_pretrained``);
     bf16 weights on CUDA (no optimizer to feed)."""
     path = checkpoint_dir(path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -59,13 +59,14 @@ import data
 import dist
 import train
 from grpo import Sample, grouped_advantage
+from models import load_model, pick_device
 from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunks_answer, chunks_messages,
                                    long_context_chunks, make_memalpha_instances, memalpha_texts, memory_answer,
                                    rag_chunks, writer_calls)
 from recipes.memalpha_memory import (WRITER_SYSTEM, StructuredMemory, ToolCall, answerer_messages,
                                      execute_tool_calls, parse_tool_calls, writer_messages)
 from reward import em_score
-from rollout import encode_chat, generate, load_model, pick_device
+from rollout import encode_chat, generate
 from sft import cosine_lr, run_sft
 
 flag = train.flag
