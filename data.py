@@ -298,6 +298,15 @@ def build_tokenizer(words: list[str] | None = None):
     return hf
 
 
+def unknown_words(tokenizer, text: str) -> list[str]:
+    """The words of ``text`` (whitespace-split, first occurrence order) that ``tokenizer`` maps to its unknown
+    token: the word-level tokenizer knows only the world's vocabulary (``world_vocab``); a BPE knows every word."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return []
+    return [w for w in dict.fromkeys(text.split()) if unk in tokenizer.encode(w, add_special_tokens=False)]
+
+
 CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -241,6 +241,10 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
 def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:
     """``--show`` / ``--viz`` / ``--question``: greedy episodes printed round by round (viz.format_episode) and
     / or written as one page (viz.write_page), with each round's P_full / P_mem as the run's reward saw them."""
+    if args.question and (unknown := data.unknown_words(tokenizer, args.question)):
+        raise SystemExit(f"--question: the model's tokenizer does not know {' '.join(unknown)} (it reads them as "
+                         f"<unk>); the embedded world's names are data.name_pool() (python -c \"import data; "
+                         f"print(*data.name_pool())\"), its relations {' '.join(data.RELATIONS)}")
     agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
     k = args.objectives[0]
     if args.data or args.corpus:
