@@ -90,6 +90,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 import data
 import grpo
+import models
 import rollout as engine
 import search
 import train
@@ -113,11 +114,11 @@ def load(args, device: torch.device):
     """(model, tokenizer, what it is): a checkpoint, the bench's own SFT, or a random Qwen2.5-0.5B-shaped model."""
     if args.model_shape == "qwen2.5-0.5b":
         # Qwen2.5-0.5B's body and its padded vocabulary (151936 rows), a Qwen2-style BPE tokenizer over the world's
-        # text; ids past the tokenizer's decode to nothing. fp32 master weights: rollout.autocast gives bf16 on CUDA.
+        # text; ids past the tokenizer's decode to nothing. fp32 master weights: models.autocast gives bf16 on CUDA.
         tok = data.build_bpe_tokenizer()
         cfg = Qwen2Config(vocab_size=151936, max_position_embeddings=32768, pad_token_id=tok.pad_token_id,
                           eos_token_id=tok.eos_token_id, bos_token_id=None, **QWEN_05B)
-        cfg._attn_implementation = engine.attn_implementation(device)
+        cfg._attn_implementation = models.attn_implementation(device)
         torch.manual_seed(0)
         return (Qwen2ForCausalLM(cfg).to(device).eval(), tok,
                 f"random qwen2.5-0.5b shape ({cfg._attn_implementation}, fp32 weights)")
@@ -127,7 +128,7 @@ def load(args, device: torch.device):
         recipe = QUICK_SFT_ARGS if args.quick else train.SMALL_SFT_ARGS
         train.main(["--run", os.path.dirname(own), "--device", device.type] + recipe)
         path = own
-    return engine.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
+    return models.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
 
 
 def protocol_model(args, model, tok, source: str, device: torch.device):
@@ -153,7 +154,7 @@ def protocol_model(args, model, tok, source: str, device: torch.device):
         train.main(["--run", run, "--model", source, "--stage", "sft", "--system-prompt", prompt,
                     "--sft-copy-steps", "0", "--sft-lr", "3e-4", "--rl-steps", "0", "--eval-every", "0",
                     "--device", device.type] + steps)
-    return engine.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
+    return models.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
 
 
 def sync(device: torch.device) -> None:
@@ -578,7 +579,7 @@ def figures(args, device: torch.device, repeats: int) -> dict:
     cfg = train.parse_args([])
     n_new = 64 if args.quick else cfg.max_new_tokens
 
-    with engine.autocast(cfg.precision, device):         # the training forward: bf16 autocast on CUDA, fp32 on CPU
+    with models.autocast(cfg.precision, device):         # the training forward: bf16 autocast on CUDA, fp32 on CPU
         dec = bench_decode(model, tok, device, n_new, repeats)
         # the real-model path's protocol prompt (hundreds of tokens), then the checkpoint's own prompt (what it trained on)
         own_prompt = engine.checkpoint_prompt(source) if os.path.isdir(source) else PROTOCOL_PROMPT
@@ -627,10 +628,10 @@ def real_model_figures(args, device: torch.device, repeats: int) -> dict:
     score, so the 2N contexts come from expert rounds rendered under the protocol prompt (``expert_pairs``), at
     the default budget (on CPU both budgets are capped at ``reward.CPU_TOKENS``)."""
     z = REAL_SIZES
-    model, tok = engine.load_pretrained(args.model, device)
+    model, tok = models.load_pretrained(args.model, device)
     model.eval()
     cfg = replace(train.parse_args([]), questions=z["questions"], group=z["group"], max_turns=z["max_turns"])
-    with engine.autocast(cfg.precision, device):
+    with models.autocast(cfg.precision, device):
         dec = bench_decode(model, tok, device, z["new_tokens"], repeats, batch=z["batch"])
         ro = bench_rollout(model, tok, device, cfg, repeats, z["max_new_tokens"], PROTOCOL_PROMPT)
         ro.pop("trajs")

@@ -1,4 +1,4 @@
-"""Snail-shell truncation (the seed's 4-round example), the nested <mem> defect, mem spans, mem_traj."""
+"""Snail-shell truncation (a 4-round worked example), the nested <mem> defect, mem spans, mem_traj."""
 import pytest
 
 import data

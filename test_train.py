@@ -105,7 +105,7 @@ def test_outcome_norm_none_gives_the_rl_step_score_minus_group_mean(sft_run, mon
 
 
 def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
-    """Policy-gradient sanity (issue 24): sampled rollouts of the trained policy, MemPO's advantages as rl_step
+    """Policy-gradient sanity: sampled rollouts of the trained policy, MemPO's advantages as rl_step
     builds them, one AdamW step at a small lr; re-scored on the same batch, sum(A * log pi) over the loss tokens
     must rise (first order: AdamW's first step moves each weight by lr * sign(grad), so the change is
     lr * sum|grad| > 0). A sign error, a misplaced advantage or a mask that hides the sampled tokens fails it."""
@@ -440,9 +440,9 @@ def test_expert_samples_renders_only_the_requested_rounds_identically():
         task = data.make_task(world, rng, rng.randint(1, 4), (1, 3))
         full = sft.expert_samples(tok, task, tool, forget=True)
         assert len(full) == sum(len(o.relations) for o in task.objectives) + 1     # one search per hop + answer
-        keep = {0, len(full) // 2, len(full) - 1}
-        part = sft.expert_samples(tok, task, tool, forget=True, rounds=keep)
-        assert [(s.ids, s.n_prompt) for s in part] == [(full[t].ids, full[t].n_prompt) for t in sorted(keep)]
+        picked = {0, len(full) // 2, len(full) - 1}
+        part = sft.expert_samples(tok, task, tool, forget=True, picked_rounds=picked)
+        assert [(s.ids, s.n_prompt) for s in part] == [(full[t].ids, full[t].n_prompt) for t in sorted(picked)]
 
 
 def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():

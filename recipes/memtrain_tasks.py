@@ -1,4 +1,4 @@
-"""MemTrain's proxy tasks (ALGORITHM.md section 3): masked-entity reconstruction over any corpus, IMR, and
+"""MemTrain's proxy tasks: masked-entity reconstruction over any corpus, IMR, and
 the words an SFT checkpoint of the world lacks.
 
 Masked reconstruction (the end-to-end task), built from ANY corpus of {id, contents}:
