@@ -196,11 +196,11 @@ def copy_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMP
     in the question and memory to be learnt: see data.py.)
     """
     rng = random.Random(cfg.seed * 3_000_017 + step)
-    names = data.name_pool()
+    names, ks = data.name_pool(), data.int_range(cfg.sft_copy_objectives)
     out = []
     for _ in range(cfg.sft_batch):
         chains = [[rng.choice(names)] + [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))]
-                  for _ in range(rng.randint(1, 4))]
+                  for _ in range(rng.randint(ks[0], ks[-1]))]
         question = data.format_question(chains)
         ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], system_prompt))
         mem = data.format_mem({k: data.open_path(c) for k, c in enumerate(chains)})

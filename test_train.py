@@ -499,3 +499,19 @@ def test_early_answer_counts_searches_against_the_question_s_hops(expert_rollout
     assert reward.early_answer(t) == 0.0
     t.question = "who founded the city?"                               # a real question: hops unknown
     assert reward.early_answer(t) is None
+
+
+def test_group_stats_and_zero_variance_metrics():
+    """Hand-computed: group 0 scores [1, 1] (no outcome signal) with memory rewards that differ, group 1
+    [0, 0] with equal memory rewards, group 2 [1, 0]; K = 2, 2, 3, 3, 1, 1."""
+    outs = [{"score": s, "em": s, "f1": s, "valid": 1.0} for s in (1.0, 1.0, 0.0, 0.0, 1.0, 0.0)]
+    mem = {"rewards": [[0.1, 0.0], [0.3], [0.2], [0.2], [], [0.5]]}
+    gids = [0, 0, 1, 1, 2, 2]
+    stats = train.group_stats(outs, mem, gids)
+    assert stats == [(True, True), (True, False), (False, True)]
+    assert train.group_stats(outs, None, gids) == [(True, False), (True, False), (False, False)]
+    v = {"outs": outs, "turns": [1] * 6, "tokens": [10], "early": [], "k": [2, 2, 3, 3, 1, 1], "groups": stats}
+    m = train.step_metrics(v)
+    assert m["zero_var_frac"] == pytest.approx(2 / 3)
+    assert m["zero_var_mem_frac"] == pytest.approx(1 / 3)
+    assert (m["score_k1"], m["score_k2"], m["score_k3"]) == (0.5, 1.0, 0.0)
