@@ -505,7 +505,7 @@ def test_group_stats_and_zero_variance_metrics():
     """Hand-computed: group 0 scores [1, 1] (no outcome signal) with memory rewards that differ, group 1
     [0, 0] with equal memory rewards, group 2 [1, 0]; K = 2, 2, 3, 3, 1, 1."""
     outs = [{"score": s, "em": s, "f1": s, "valid": 1.0} for s in (1.0, 1.0, 0.0, 0.0, 1.0, 0.0)]
-    mem = {"rewards": [[0.1, 0.0], [0.3], [0.2], [0.2], [], [0.5]]}
+    mem = {"rewards": [[0.1, 0.0], [0.3], [0.2], [0.2], [0.4], [0.5]]}
     gids = [0, 0, 1, 1, 2, 2]
     stats = train.group_stats(outs, mem, gids)
     assert stats == [(True, True), (True, False), (False, True)]
