@@ -1,6 +1,6 @@
 """Shared fixtures.
 
-* ``sft_run``: a tiny SFT checkpoint trained once per test session, for the tests whose point is that SFT
+* ``sft_run``: a tiny SFT checkpoint trained once per pytest run, for the tests whose point is that SFT
   learns (the loss falls, the policy writes valid rounds, RL updates it). How well a short SFT trains
   depends on float summation order (CPU kernels, BLAS, thread count), so the fixture trains with a margin
   and checks the criterion those tests need (``policy_criterion``); short of it, it trains again for
@@ -16,12 +16,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StaticCache
 import data
 import train
 from reward import _check_round, outcome_reward
-from rollout import AgentConfig, SearchTool, rollout
+from rollout import AgentConfig, rollout
+from search import SearchTool
 
 SFT_ARGS = train.SMALL_SFT_ARGS
-# 400 SFT steps (SMALL_SFT_ARGS) were at the edge: on an AMD EPYC (AVX2) at 1 and 2 threads the policy wrote
-# 0 valid trajectories of 16, where an Intel machine wrote enough; at 800 it writes 16 of 16 (see the note of
-# issue 22). A second, longer run is the fallback before the fixture gives up.
+# 400 SFT steps (SMALL_SFT_ARGS) are at the edge: with some CPU kernels (AVX2, 1 or 2 threads) the policy writes
+# 0 valid trajectories of 16 where others write enough; at 800 it writes 16 of 16. A second, longer run is the
+# fallback before the fixture gives up.
 SFT_STEPS = (800, 1600)
 
 

@@ -6,7 +6,7 @@ Two sources of data:
   relations, one short document per fact, a BM25 index over the documents as the search tool,
   multi-hop questions and MEM1-style *multi-objective* questions (K sub-questions, answers joined
   by `` ; ``), a word-level tokenizer built from the world's vocabulary, and a tiny randomly
-  initialised ``LlamaForCausalLM``. ALGORITHM.md section 4.
+  initialised ``LlamaForCausalLM``.
 * **Real data**: a QA file (JSONL or parquet, fields ``question`` and ``golden_answers`` as in
   Search-R1 / MEM1) and a corpus (JSONL with ``id`` and ``contents``, as wiki-18). A missing file or
   a malformed line is a ``DataError`` that names the file and the line.
@@ -42,9 +42,9 @@ model did not learn that in 1500 SFT steps.
 Its flaw (``forget_p``): on that fraction of episodes a finished entry is dropped as soon as a
 newer objective finishes, so only the newest answer survives and it answers ``unknown`` for the
 others. The flaw is decided per episode, not per round, so that imitation does not average it away
-(ALGORITHM.md 4.1: random per-fact drops at p = 0.3 left a strong SFT policy).
+(random per-fact drops at p = 0.3 leave a strong SFT policy).
 
-The world knows no engine: the BM25 search tool is ``rollout.SearchTool``, and the expert's rows with
+The world knows no engine: the BM25 search tool is ``search.SearchTool``, and the expert's rows with
 its real results are built in sft.py.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ TAGS = ["<mem>", "</mem>", "<think>", "</think>", "<search>", "</search>", "<acc
 CHAT = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 SYSTEM_PROMPT = "answer all . keep findings in mem"
 UNKNOWN = "unknown"
-PROBE = "probe"         # the think word of the memory reward's probes; the policy never writes it (issue 13)
+PROBE = "probe"         # the think word of the memory reward's probes; the policy never writes it
 SLOT = "_"              # an entity not found yet, in the question and in <mem>
 N_NAMES = 48            # the shared pool of entity names
 N_ENTITIES = 24         # entities in one world
@@ -246,7 +246,7 @@ def context_answers(task: Task, episode: list[tuple[str, tuple[str, str] | None]
                     context: str = "snail") -> str:
     """What round t's CONTEXT tells about each objective's answer, as the expert would answer (``unknown`` else).
 
-    The answer of the memory probe's full-context rows (issue 13). ``snail``: round t sees the previous
+    The answer of the memory probe's full-context rows. ``snail``: round t sees the previous
     round (its ``<mem>``) and that round's tool result, so an answer is known when the previous ``<mem>``
     holds it finished or when the previous round's search was the objective's last hop (the tool result
     shows it). ``full``: every earlier round and result is in the context, so an answer is known once its
@@ -296,6 +296,15 @@ def build_tokenizer(words: list[str] | None = None):
     hf.add_tokens([AddedToken(t, normalized=False) for t in TAGS + CHAT])
     hf.chat_template = CHAT_TEMPLATE
     return hf
+
+
+def unknown_words(tokenizer, text: str) -> list[str]:
+    """The words of ``text`` (whitespace-split, first occurrence order) that ``tokenizer`` maps to its unknown
+    token: the word-level tokenizer knows only the world's vocabulary (``world_vocab``); a BPE knows every word."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return []
+    return [w for w in dict.fromkeys(text.split()) if unk in tokenizer.encode(w, add_special_tokens=False)]
 
 
 CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

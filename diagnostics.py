@@ -1,17 +1,19 @@
 """Diagnostics: look inside embedded-world episodes, where the world's facts are known.
 
 What ``<mem>`` kept: ``memory_diagnostics`` (retention by rounds-ago, faithfulness, turn drift), ``probe_by_found``
-(the memory reward's two probes split by found / kept / dropped) and ``p_by_round``. What RL changed (issue 24):
+(the memory reward's two probes split by found / kept / dropped) and ``p_by_round``. What RL changed:
 ``stop_value`` (does the objective pay for answering early), ``first_error`` and ``decisions`` (does an RL
 checkpoint fix its SFT start's greedy errors, does it change the choices the start got right).
 
 Plain functions over trajectories and models: they sample only where a check branches (``stop_value``) and
 import neither ``eval.py`` nor ``train.py``. ``python eval.py --diagnostics / --stop-value / --decisions RUN``
-runs them on a checkpoint and prints their tables.
+runs them on a checkpoint's episodes (which eval.py makes) and prints the reports at the end of this file.
 """
 from __future__ import annotations
 
+import json
 import math
+from typing import Callable
 
 import torch
 
@@ -82,7 +84,7 @@ def _has_fact(text: str, fact: tuple[str, str, str]) -> bool:
 
 def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float = THRESHOLD,
                    mask_mode: str = MEM_MASK, think: str = PROBE_THINK, context: str = "snail") -> dict:
-    """The memory reward's two probes where the answer is known (issue 13), on embedded-world trajectories.
+    """The memory reward's two probes where the answer is known, on embedded-world trajectories.
 
     For every scored round (t >= 2 with a ``<mem>``) and objective k: **found** when the round's context
     holds the objective's last fact ``s r answer``: an earlier ``<mem>`` entry k holds it, or an earlier round
@@ -149,7 +151,7 @@ def p_by_round(model, tokenizer, trajs: list, threshold: float = THRESHOLD,
             for key, v in sorted(rows.items(), key=lambda kv: (len(kv[0]), kv[0]))}
 
 
-# --------------------------------------------------------------------------- what RL changed (issue 24)
+# --------------------------------------------------------------------------- what RL changed
 
 STOP_TEXT = " <think> answer </think> <answer>"     # the expert's answer action after its <mem> (data.expert_rounds)
 
@@ -313,3 +315,87 @@ def decisions(model, other, tokenizer, trajs: list, tasks: list) -> dict:
                                 "margin_gain": sum(p["gain"] for p in ps) / len(ps)}
                             for k in kinds if (ps := [p for p in scored if p["kind"] == k])}}
     return res
+
+
+# --------------------------------------------------------------------------- the reports eval.py prints
+
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval (0 for one value)."""
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+    return m, T95.get(len(xs) - 1, 1.96) * sd / len(xs) ** 0.5
+
+
+def print_memory_diagnostics(k: int, d: dict, probe_temperature: float, think: str) -> None:
+    """``python eval.py --diagnostics``' lines for objective count ``k``: retention, P by round, the probes."""
+    print(f"K={k}: retention {d['retention']:.3f}  faithfulness {d['faithfulness']:.3f}  "
+          f"by rounds-ago {json.dumps({a: round(v, 3) for a, v in d['retention_by_ago'].items()})}  "
+          f"drift {json.dumps({a: round(v, 3) for a, v in d['retention_drift'].items()})}")
+    print("      P_full / P_mem by round: " + "  ".join(
+        f"{r}: {v['p_full']:.2f}/{v['p_mem']:.2f}" for r, v in d["p_by_round"].items()))
+    pr = d["probe"]
+    if pr:
+        print(f"      probes (T={probe_temperature}, think={think!r}), answer P full/mem [confident share] by "
+              "objective: " + "  ".join(f"{lab}: {v['p_full']:.2f}/{v['p_mem']:.2f} [{v['conf_full']:.2f}/"
+                                        f"{v['conf_mem']:.2f}] n={v['n']}" for lab, v in pr.items()
+                                        if lab in ("not found", "kept", "dropped")))
+        print("      memory reward by round: " + "  ".join(
+            f"{lab}: {v['mem_reward']:+.3f} n={v['n']}" for lab, v in pr["reward_by_round"].items())
+              + f"  a probe empty {pr['empty_frac']:.2f}, both empty (reward 0) {pr['no_signal_frac']:.2f}")
+
+
+def print_stop_value(res: dict, title: str = "") -> None:
+    """``stop_value``'s table: rows by the answers still missing from the round's <mem>, then by round."""
+    if title:
+        print(title)
+    print("state          n   Q_stop     Q_go  stop>go")
+    for name, part in (("missing", res.get("by_missing", {})), ("round", res.get("by_round", {}))):
+        for k, r in part.items():
+            print(f"{name} {k:<6} {r['n']:6d} {r['q_stop']:8.3f} {r['q_go']:8.3f} {r['stop_better']:8.3f}")
+    if res.get("n"):
+        print(f"all          {res['n']:6d} {res['q_stop']:8.3f} {res['q_go']:8.3f} {res['stop_better']:8.3f}")
+
+
+def print_decisions(res: dict, title: str = "") -> None:
+    """``decisions``' lines: the first errors, what other does at them, and its changes on the right episodes."""
+    if title:
+        print(title)
+    print(f"failed episodes {res['failed']} (first error: {res['kinds']}); right episodes {res['right_episodes']}")
+    if res.get("scored"):
+        m, h = mean_ci(res["gains"])
+        print(f"at the first errors: p(chosen) median {res['p_chosen_median']:.3f}, p(right) median "
+              f"{res['p_right_median']:.3f}; other fixes {res['fixed']} of {res['scored']}, log-odds toward the "
+              f"right word {m:+.3f} +- {h:.3f}")
+        for k, v in res["by_kind"].items():
+            print(f"  {k:<7} n {v['n']:3d}  fixed {v['fixed']:3d}  margin gain {v['margin_gain']:+.3f}")
+    print(f"on the right episodes: other changes {res['right_changed']} of {res['right_tokens']} greedy tokens, in "
+          f"{res['right_episodes_changed']} of {res['right_episodes']} episodes")
+
+
+def report_stop_value(model, tokenizer, episodes: Callable[[int], tuple[list, list]], ks: list[int],
+                      temperature: float, max_turns: int, max_new_tokens: int, seed: int, checkpoint: str) -> None:
+    """``python eval.py --stop-value``: ``stop_value`` per K on ``episodes(k)`` (-> trajectories, tasks), its
+    table per K, then one JSON line."""
+    out = {}
+    for k in ks:
+        trajs, _ = episodes(k)
+        out[str(k)] = stop_value(model, tokenizer, trajs, temperature, max_new_tokens, seed=seed)
+        print_stop_value(out[str(k)], f"K={k}  T={temperature}  max_turns={max_turns}")
+    print(json.dumps({"checkpoint": checkpoint, "temperature": temperature, "stop_value": out}))
+
+
+def report_decisions(model, other, tokenizer, episodes: Callable[[int], tuple[list, list]], ks: list[int],
+                     checkpoint: str, other_name: str) -> None:
+    """``python eval.py --decisions RUN``: ``decisions`` of ``other`` per K on ``model``'s greedy ``episodes(k)``,
+    its lines per K, then one JSON line."""
+    out = {}
+    for k in ks:
+        trajs, tasks = episodes(k)
+        out[str(k)] = decisions(model, other, tokenizer, trajs, tasks)
+        print_decisions(out[str(k)], f"K={k}: {other_name} on {checkpoint}'s greedy episodes")
+    print(json.dumps({"checkpoint": checkpoint, "other": other_name, "decisions": out}))

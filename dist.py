@@ -61,7 +61,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from grpo import Sample
-from rollout import pick_device
+from models import pick_device
 
 @dataclass
 class Dist:

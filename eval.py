@@ -14,7 +14,7 @@ pool of entity names as training; ``--split valid`` and ``--split test`` are dis
 pick settings on ``valid``, report on ``test``.
 
 ``--diagnostics`` reads the memory reward's settings from the run's ``config.json`` (``run_reward_config``).
-``--stop-value`` and ``--decisions RUN`` are RL's diagnostics (issue 24): does the objective pay for answering
+``--stop-value`` and ``--decisions RUN`` are RL's diagnostics: does the objective pay for answering
 early, and does an RL checkpoint fix its SFT start's greedy errors or change its right choices. The checks
 themselves live in ``diagnostics.py`` (plain functions over episodes); this file runs them and prints them.
 Other recipes have their own evaluations: ``python -m recipes.memalpha_eval``, ``python -m recipes.memtrain_eval``.
@@ -30,10 +30,12 @@ import torch
 from tqdm import tqdm
 
 import data
-from diagnostics import decisions, memory_diagnostics, p_by_round, probe_by_found, stop_value
+from diagnostics import (mean_ci, memory_diagnostics, p_by_round, print_memory_diagnostics, probe_by_found,
+                         report_decisions, report_stop_value)
+from models import gguf_file, load_pretrained, pick_device
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
-from rollout import (AgentConfig, SearchTool, checkpoint_prompt, gguf_file, load_pretrained, pick_device,
-                     run_episodes)
+from rollout import AgentConfig, checkpoint_prompt, run_episodes
+from search import Retriever, SearchTool, open_search
 import viz
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
@@ -70,7 +72,7 @@ def summarize(trajs: list) -> dict:
             | ({"early": sum(early) / len(early)} if early else {}))
 
 
-def evaluate(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
+def evaluate(model, tokenizer, tasks: list, tool: Retriever, agent: AgentConfig, batch: int = 64,
              bar=None) -> dict:
     """Rollouts of ``tasks`` -> mean metrics."""
     return summarize(run_episodes(model, tokenizer, tasks, tool, agent, batch, bar))
@@ -122,25 +124,13 @@ def print_table(results: dict, title: str = "") -> None:
         print(f"{k:<4} " + " ".join(f"{r[c]:8.3f}" if isinstance(r[c], float) else f"{r[c]:8d}" for c in cols))
 
 
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
-
-
-def mean_ci(xs: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% t-interval (0 for one value)."""
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, 0.0
-    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
-    return m, T95.get(len(xs) - 1, 1.96) * sd / len(xs) ** 0.5
-
-
 def checkpoint_dir(path: str) -> str:
     """A run folder (with ``final/``), a checkpoint folder, a ``.gguf`` file or ``smollm2`` (as it is)."""
     return os.path.join(path, "final") if os.path.isdir(os.path.join(path, "final")) else path
 
 
 def load(path: str, device):
-    """(model, tokenizer, system prompt) of a checkpoint (or a model from elsewhere: ``rollout.load_pretrained``);
+    """(model, tokenizer, system prompt) of a checkpoint (or a model from elsewhere: ``models.load_pretrained``);
     bf16 weights on CUDA (no optimizer to feed)."""
     path = checkpoint_dir(path)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -245,63 +235,23 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
         torch.manual_seed(k)
         strajs = run_episodes(model, tokenizer, tasks, tool, sampled)
         out[k]["probe"] = probe_by_found(model, tokenizer, strajs, tasks, threshold, mask_mode, think)
-        d = out[k]
-        print(f"K={k}: retention {d['retention']:.3f}  faithfulness {d['faithfulness']:.3f}  "
-              f"by rounds-ago {json.dumps({a: round(v, 3) for a, v in d['retention_by_ago'].items()})}  "
-              f"drift {json.dumps({a: round(v, 3) for a, v in d['retention_drift'].items()})}")
-        print("      P_full / P_mem by round: " + "  ".join(
-            f"{r}: {v['p_full']:.2f}/{v['p_mem']:.2f}" for r, v in d["p_by_round"].items()))
-        pr = d["probe"]
-        if pr:
-            print(f"      probes (T={probe_temperature}, think={think!r}), answer P full/mem [confident share] by "
-                  "objective: " + "  ".join(f"{lab}: {v['p_full']:.2f}/{v['p_mem']:.2f} [{v['conf_full']:.2f}/"
-                                            f"{v['conf_mem']:.2f}] n={v['n']}" for lab, v in pr.items()
-                                            if lab in ("not found", "kept", "dropped")))
-            print("      memory reward by round: " + "  ".join(
-                f"{lab}: {v['mem_reward']:+.3f} n={v['n']}" for lab, v in pr["reward_by_round"].items())
-                  + f"  a probe empty {pr['empty_frac']:.2f}, both empty (reward 0) {pr['no_signal_frac']:.2f}")
+        print_memory_diagnostics(k, out[k], probe_temperature, think)
     return out
-
-
-# --------------------------------------------------------------------------- RL's diagnostics (issue 24): printers
-
-def print_stop_value(res: dict, title: str = "") -> None:
-    """``stop_value``'s table: rows by the answers still missing from the round's <mem>, then by round."""
-    if title:
-        print(title)
-    print("state          n   Q_stop     Q_go  stop>go")
-    for name, part in (("missing", res.get("by_missing", {})), ("round", res.get("by_round", {}))):
-        for k, r in part.items():
-            print(f"{name} {k:<6} {r['n']:6d} {r['q_stop']:8.3f} {r['q_go']:8.3f} {r['stop_better']:8.3f}")
-    if res.get("n"):
-        print(f"all          {res['n']:6d} {res['q_stop']:8.3f} {res['q_go']:8.3f} {res['stop_better']:8.3f}")
-
-
-def print_decisions(res: dict, title: str = "") -> None:
-    """``decisions``' lines: the first errors, what other does at them, and its changes on the right episodes."""
-    if title:
-        print(title)
-    print(f"failed episodes {res['failed']} (first error: {res['kinds']}); right episodes {res['right_episodes']}")
-    if res.get("scored"):
-        m, h = mean_ci(res["gains"])
-        print(f"at the first errors: p(chosen) median {res['p_chosen_median']:.3f}, p(right) median "
-              f"{res['p_right_median']:.3f}; other fixes {res['fixed']} of {res['scored']}, log-odds toward the "
-              f"right word {m:+.3f} +- {h:.3f}")
-        for k, v in res["by_kind"].items():
-            print(f"  {k:<7} n {v['n']:3d}  fixed {v['fixed']:3d}  margin gain {v['margin_gain']:+.3f}")
-    print(f"on the right episodes: other changes {res['right_changed']} of {res['right_tokens']} greedy tokens, in "
-          f"{res['right_episodes_changed']} of {res['right_episodes']} episodes")
 
 
 def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:
     """``--show`` / ``--viz`` / ``--question``: greedy episodes printed round by round (viz.format_episode) and
     / or written as one page (viz.write_page), with each round's P_full / P_mem as the run's reward saw them."""
+    if args.question and (unknown := data.unknown_words(tokenizer, args.question)):
+        raise SystemExit(f"--question: the model's tokenizer does not know {' '.join(unknown)} (it reads them as "
+                         f"<unk>); the embedded world's names are data.name_pool() (python -c \"import data; "
+                         f"print(*data.name_pool())\"), its relations {' '.join(data.RELATIONS)}")
     agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
     k = args.objectives[0]
-    if args.data or args.corpus:
-        if not args.corpus:
-            raise SystemExit("--data needs --corpus")
-        tool = SearchTool(data.load_corpus(args.corpus))
+    if args.data or args.corpus or args.search_url:
+        if not (args.corpus or args.search_url):
+            raise SystemExit("--data needs --corpus or --search-url")
+        tool = open_search(args.corpus, args.search_url)
         tasks = data.load_qa(args.data) if args.data else []
     else:
         tasks, tool = embedded_tasks(k, args.show or args.tasks, args.seed, args.split, hops)
@@ -342,7 +292,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--probe-think", default="", help="with --diagnostics: the probes' think word (default: the run's)")
     p.add_argument("--plot", default="", metavar="FOLDER", help="with --compare: write F1-vs-K and retention PNGs here")
     p.add_argument("--data", default="", help="QA file (JSONL/parquet) instead of the embedded world")
-    p.add_argument("--corpus", default="", help="corpus JSONL for --data")
+    p.add_argument("--corpus", default="", help="corpus JSONL for --data (or an index folder from search.py index)")
+    p.add_argument("--search-url", default="", help="a Search-R1 retrieval server for --data, "
+                                                      "http://HOST:PORT/retrieve (search.py serve)")
     p.add_argument("--compose", type=int, nargs="+", default=[], metavar="K",
                    help="with --data: MEM1-style K-objective questions joined from the file's, one table row per K")
     p.add_argument("--system-prompt", default="", help="text file with the system prompt (default: the checkpoint's)")
@@ -374,58 +326,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    device = pick_device(args.device)
-    a, b = (int(x) for x in args.hops.split("-"))
-    if args.compare:
-        variants = dict(v.split("=", 1) for v in args.compare)
-        res = compare({k: v.split(",") for k, v in variants.items()}, args.objectives, args.tasks, args.split,
-                      args.context, args.max_turns, (a, b), device)
-        if args.plot:
-            print("plots:", " ".join(plot_compare(res, args.plot)))
-        print(json.dumps({"compare": {n: {str(k): v for k, v in r.items()} for n, r in res.items()},
-                          "split": args.split, "context": args.context}))
-        return
-    model, tokenizer, prompt = load(args.checkpoint, device)
-    torch.manual_seed(args.seed)                    # --temperature > 0: the same sampled episodes on a rerun
-    if args.system_prompt:
-        with open(args.system_prompt, encoding="utf-8") as f:
-            prompt = f.read().strip()
-    if args.show or args.viz or args.question:
-        return show_episodes(model, tokenizer, prompt, args, (a, b))
-    if args.stop_value:
-        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt, args.temperature)
-        out = {}
-        for k in args.objectives:
-            tasks, tool = embedded_tasks(k, args.tasks, args.seed, args.split, (a, b))
-            trajs = run_episodes(model, tokenizer, tasks, tool, agent)
-            out[str(k)] = stop_value(model, tokenizer, trajs, args.temperature, args.max_new_tokens, seed=args.seed)
-            print_stop_value(out[str(k)], f"K={k}  T={args.temperature}  max_turns={args.max_turns}")
-        print(json.dumps({"checkpoint": args.checkpoint, "temperature": args.temperature, "stop_value": out}))
-        return
-    if args.decisions:
-        other, out = load(args.decisions, device)[0], {}
-        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
-        for k in args.objectives:
-            tasks, tool = embedded_tasks(k, args.tasks, args.seed, args.split, (a, b))
-            trajs = run_episodes(model, tokenizer, tasks, tool, agent)
-            out[str(k)] = decisions(model, other, tokenizer, trajs, tasks)
-            print_decisions(out[str(k)], f"K={k}: {args.decisions} on {args.checkpoint}'s greedy episodes")
-        print(json.dumps({"checkpoint": args.checkpoint, "other": args.decisions, "decisions": out}))
-        return
+def held_out_episodes(model, tokenizer, agent: AgentConfig, n: int, seed: int, split: str,
+                      hops: tuple[int, int]):
+    """``k -> (trajectories, tasks)``: ``agent``'s episodes on ``n`` held-out K-objective questions."""
+    def episodes(k: int) -> tuple[list, list]:
+        tasks, tool = embedded_tasks(k, n, seed, split, hops)
+        return run_episodes(model, tokenizer, tasks, tool, agent), tasks
+    return episodes
+
+
+def compare_runs(args, hops: tuple[int, int], device) -> None:
+    """``--compare NAME=RUN[,RUN...]``: the side-by-side tables, plots with ``--plot``, then one JSON line."""
+    variants = dict(v.split("=", 1) for v in args.compare)
+    res = compare({k: v.split(",") for k, v in variants.items()}, args.objectives, args.tasks, args.split,
+                  args.context, args.max_turns, hops, device)
+    if args.plot:
+        print("plots:", " ".join(plot_compare(res, args.plot)))
+    print(json.dumps({"compare": {n: {str(k): v for k, v in r.items()} for n, r in res.items()},
+                      "split": args.split, "context": args.context}))
+
+
+def report_table(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:
+    """The default mode: the metrics table per K (or per ``--compose`` K of a ``--data`` file), the memory
+    diagnostics with ``--diagnostics``, then one JSON line."""
     if args.data:
-        if not args.corpus:
-            raise SystemExit("--data needs --corpus")
-        tasks, tool = data.load_qa(args.data), SearchTool(data.load_corpus(args.corpus))
+        if not (args.corpus or args.search_url):
+            raise SystemExit("--data needs --corpus or --search-url")
+        tasks, tool = data.load_qa(args.data), open_search(args.corpus, args.search_url)
         sets = {k: data.compose_tasks(tasks, k, args.seed) for k in args.compose} or {"all": tasks}
         agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt, args.temperature)
         bar = progress_bar(sum(len(t) for t in sets.values()))
         results = {k: evaluate(model, tokenizer, t, tool, agent, bar=bar) for k, t in sets.items()}
         bar.close()
+        if tool.failures:
+            print(f"search: {tool.failures} searches failed (their rounds saw the failure)", file=sys.stderr)
     else:
         results = evaluate_embedded(model, tokenizer, args.objectives, args.tasks, args.seed, args.split,
-                                    args.context, args.max_turns, (a, b), args.max_new_tokens, progress=True,
+                                    args.context, args.max_turns, hops, args.max_new_tokens, progress=True,
                                     system_prompt=prompt, temperature=args.temperature)
     print_table(results, f"{args.checkpoint}  context={args.context}  max_turns={args.max_turns}")
     out = {"checkpoint": args.checkpoint, "context": args.context, "max_turns": args.max_turns,
@@ -434,10 +371,36 @@ def main(argv=None) -> None:
         mask_mode, threshold, think = run_reward_config(args.checkpoint)  # P_mem as the run's reward saw it
         think = args.probe_think or think
         out["diagnostics"] = {str(k): v for k, v in diagnose(model, tokenizer, args.objectives, args.tasks,
-                                                             args.split, args.max_turns, (a, b), prompt,
+                                                             args.split, args.max_turns, hops, prompt,
                                                              mask_mode, threshold, think).items()}
         out["diagnostics_mem_mask"] = mask_mode
     print(json.dumps(out))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    hops = tuple(int(x) for x in args.hops.split("-"))
+    if args.compare:
+        return compare_runs(args, hops, device)
+    model, tokenizer, prompt = load(args.checkpoint, device)
+    torch.manual_seed(args.seed)                    # --temperature > 0: the same sampled episodes on a rerun
+    if args.system_prompt:
+        with open(args.system_prompt, encoding="utf-8") as f:
+            prompt = f.read().strip()
+    if args.show or args.viz or args.question:
+        return show_episodes(model, tokenizer, prompt, args, hops)
+    if args.stop_value:             # diagnostics.py's reports, on this checkpoint's held-out episodes
+        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt, args.temperature)
+        episodes = held_out_episodes(model, tokenizer, agent, args.tasks, args.seed, args.split, hops)
+        return report_stop_value(model, tokenizer, episodes, args.objectives, args.temperature, args.max_turns,
+                                 args.max_new_tokens, args.seed, args.checkpoint)
+    if args.decisions:
+        other = load(args.decisions, device)[0]
+        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
+        episodes = held_out_episodes(model, tokenizer, agent, args.tasks, args.seed, args.split, hops)
+        return report_decisions(model, other, tokenizer, episodes, args.objectives, args.checkpoint, args.decisions)
+    report_table(model, tokenizer, prompt, args, hops)
 
 
 if __name__ == "__main__":

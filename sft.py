@@ -11,7 +11,7 @@ checkpoints). MemPO's cold start (``cold_start``) feeds it:
   results) on a world drawn for the step, a few rounds per episode, the K curriculum, ``--forget-p`` of the
   episodes with the forgetting flaw; plus probe rows (``probe_samples``, ``--sft-probe``): both contexts the
   memory reward scores -> the answers that context holds, after a ``<think> probe </think> <answer>``
-  marker without loss (issue 13; reward.py, "Where the probes sit");
+  marker without loss (reward.py, choice 1);
 * or, with ``--sft-data``, ``file_batch``: rounds of a chat-format trajectory file, rendered with the run's
   system prompt.
 
@@ -41,7 +41,9 @@ from checkpoint import log_jsonl, save_checkpoint
 from grpo import Sample, collate, micro_batches
 from memory import Record, extract_mem, prepare_prompt, tool_record
 from reward import answer_template, outcome_reward
-from rollout import AgentConfig, SearchTool, autocast, encode_chat, parse_action, run_episodes
+from models import autocast
+from rollout import AgentConfig, encode_chat, parse_action, run_episodes
+from search import SearchTool
 
 
 # --------------------------------------------------------------------------- rows of the cold start
@@ -62,17 +64,18 @@ def episode_records(question: str, rounds: list[tuple[str, str | None]]):
 
 
 def episode_samples(tokenizer, question: str, rounds: list[tuple[str, str | None]], system_prompt: str,
-                    mem_prefix: bool = True, keep: set[int] | None = None, context: str = "snail") -> list[Sample]:
+                    mem_prefix: bool = True, picked_rounds: set[int] | None = None,
+                    context: str = "snail") -> list[Sample]:
     """Render one episode's rounds as training rows, exactly as the agent loop would see them.
 
     ``rounds[t] = (assistant text, tool result or None)``. Row t = the round's context (``context``: snail or
-    full) + the forced ``<mem>`` prefix (rounds >= 2, loss mask 0) + the rest of the round. ``keep``
+    full) + the forced ``<mem>`` prefix (rounds >= 2, loss mask 0) + the rest of the round. ``picked_rounds``
     (0-based round indices) renders only those rows; None renders all.
     """
     prefix = tokenizer.encode("<mem>", add_special_tokens=False) if mem_prefix else []
     out = []
     for t, text, records in episode_records(question, rounds):
-        if keep is None or t in keep:
+        if picked_rounds is None or t in picked_rounds:
             ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None if context == "full" else 1))
             pre = prefix if t > 0 and text.startswith("<mem>") else []
             body = text[len("<mem>"):] if pre else text
@@ -87,51 +90,31 @@ def expert_turns(task: data.Task, tool: SearchTool, forget: bool) -> list[tuple[
 
 
 def expert_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, mem_prefix: bool = True,
-                   system_prompt: str = data.SYSTEM_PROMPT, mem_answer: float = 0.0,
-                   rng: random.Random | None = None, rounds: set[int] | None = None,
+                   system_prompt: str = data.SYSTEM_PROMPT, picked_rounds: set[int] | None = None,
                    turns: list | None = None) -> list[Sample]:
     """Rows of one scripted expert episode (``episode_samples`` with the BM25 tool's real results).
 
     ``turns``: the episode's ``expert_turns`` when the caller has them (sft_batch shares them with the
     probe rows); else they are made here.
-
-    With ``mem_answer`` > 0, each rendered round >= 2 also yields (with that probability) a memory-only
-    row: ``mem_traj`` (initial prompt + the round's ``<mem>``) -> ``<think> answer </think> <answer> ...``,
-    answering from memory alone (``unknown`` where it holds no answer) -- the context P_mem scores.
     """
     turns = turns if turns is not None else expert_turns(task, tool, forget)
-    out = episode_samples(tokenizer, task.question, [(text, res) for text, _, res in turns], system_prompt,
-                          mem_prefix, rounds)
-    if mem_answer > 0 and rng is not None:
-        prompt_ids = encode_chat(tokenizer, prepare_prompt([Record("prompt", task.question)], system_prompt))
-        rows, k = [], 0
-        for t, (text, _, _) in enumerate(turns):
-            if rounds is not None and t not in rounds:
-                continue
-            rows.append(out[k])
-            k += 1
-            if t > 0 and rng.random() < mem_answer:
-                mem = extract_mem(text)
-                ctx2 = prompt_ids + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False)
-                answer = f"<think> answer </think> <answer> {data.answers_from_mem(task, mem)} </answer>"
-                rows.append(Sample(ctx2 + tokenizer.encode(answer, add_special_tokens=False), len(ctx2)))
-        out = rows
-    return out
+    return episode_samples(tokenizer, task.question, [(text, res) for text, _, res in turns], system_prompt,
+                           mem_prefix, picked_rounds)
 
 
 def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rng: random.Random, p: float,
-                  system_prompt: str = data.SYSTEM_PROMPT, rounds: set[int] | None = None,
+                  system_prompt: str = data.SYSTEM_PROMPT, picked_rounds: set[int] | None = None,
                   context: str = "snail", think: str = data.PROBE, turns: list | None = None) -> list[Sample]:
-    """Probe rows: teach the policy to answer from BOTH contexts the memory reward scores (issue 13).
+    """Probe rows: teach the policy to answer from BOTH contexts the memory reward scores.
 
-    For each expert round t >= 2 (``rounds`` of them; with probability ``p``) two rows, so neither probe is
+    For each expert round t >= 2 (``picked_rounds`` of them; with probability ``p``) two rows, so neither probe is
     favoured: ``full_traj`` (the round's context as the agent saw it, no forced prefix) -> the answers that
     context holds (``data.context_answers``), and ``mem_traj`` (prompt + the round's ``<mem>``) -> the
     answers that memory holds (``data.answers_from_mem``); ``unknown`` where there is none. Both end in
     the reward's own template ``<think> probe </think> <answer> a1 ; a2 </answer>``; the loss starts at the
     first answer word, so the marker (``<think> probe``) is never learnt as an output: the policy's own
     choice after ``</mem>`` (search or answer) gets no gradient from these rows and it does not learn to
-    stop early (what ``--sft-mem-answer`` rows, which do train ``<think> answer``, did). ``turns``: as in
+    stop early (rows that train ``<think> answer`` right after a ``<mem>`` teach exactly that). ``turns``: as in
     ``expert_samples``.
     """
     turns = turns if turns is not None else expert_turns(task, tool, forget)
@@ -139,7 +122,7 @@ def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rn
     prompt_ids = encode_chat(tokenizer, prepare_prompt([Record("prompt", task.question)], system_prompt))
     out = []
     for t, text, records in episode_records(task.question, [(text, res) for text, _, res in turns]):
-        if t >= 1 and (rounds is None or t in rounds) and rng.random() < p:
+        if t >= 1 and (picked_rounds is None or t in picked_rounds) and rng.random() < p:
             ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None if context == "full" else 1))
             mem_ctx = prompt_ids + tokenizer.encode(f"<mem> {extract_mem(text)} </mem>", add_special_tokens=False)
             for c, answer in ((ctx, data.context_answers(task, episode, t, context)),
@@ -156,8 +139,8 @@ def file_batch(tokenizer, cfg, step: int, trajectories: list[dict], system_promp
     out: list[Sample] = []
     while len(out) < cfg.sft_batch:
         tr = rng.choice(trajectories)
-        keep = set(rng.sample(range(len(tr["rounds"])), min(len(tr["rounds"]), 4)))
-        out += episode_samples(tokenizer, tr["question"], tr["rounds"], system_prompt, keep=keep,
+        picked = set(rng.sample(range(len(tr["rounds"])), min(len(tr["rounds"]), 4)))
+        out += episode_samples(tokenizer, tr["question"], tr["rounds"], system_prompt, picked_rounds=picked,
                                context=cfg.train_context)
     return out[: cfg.sft_batch]
 
@@ -175,14 +158,15 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
     while len(out) < cfg.sft_batch:
         task = data.make_task(world, rng, rng.choice(ks), (hops[0], hops[-1]))
         n_rounds = len(data.expert_episode(task))                        # the same count with or without forgetting
-        keep = set(rng.sample(range(n_rounds), min(n_rounds, 4)))        # a few rounds per episode: more episodes
+        picked = set(rng.sample(range(n_rounds), min(n_rounds, 4)))      # a few rounds per episode: more episodes
         forget = rng.random() < cfg.forget_p
         turns = expert_turns(task, tool, forget)                         # searched once for both kinds of row
-        out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt,
-                              mem_answer=cfg.sft_mem_answer, rng=rng, rounds=keep, turns=turns)
+        out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt, picked_rounds=picked,
+                              turns=turns)
         if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay
-            probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, system_prompt, rounds=keep,
-                                    context=cfg.train_context, think=cfg.probe_think, turns=turns)
+            probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, system_prompt,
+                                    picked_rounds=picked, context=cfg.train_context, think=cfg.probe_think,
+                                    turns=turns)
     return out[: cfg.sft_batch] + probes
 
 

@@ -9,7 +9,8 @@ import data
 from diagnostics import memory_diagnostics
 from eval import summarize
 from memory import Record, tool_record
-from rollout import AgentConfig, Round, SearchTool, Trajectory, parse_action
+from rollout import AgentConfig, Round, Trajectory, parse_action
+from search import SearchTool
 
 
 def replay(task, tool, gid, forget=False):

@@ -4,7 +4,8 @@ import json
 import data
 from diagnostics import memory_diagnostics
 from eval import mean_ci, summarize
-from rollout import AgentConfig, SearchTool
+from rollout import AgentConfig
+from search import SearchTool
 
 
 def test_mean_ci():
@@ -61,3 +62,21 @@ def test_summarize_reports_the_early_answer_share(expert_rollout):
     assert summarize(trajs)["early"] == 0.0 and summarize(trajs)["f1"] == 1.0
     trajs[0].rounds = trajs[0].rounds[:1] + trajs[0].rounds[-1:]        # one search, then the answer
     assert summarize(trajs)["early"] == 0.25
+
+
+def test_a_question_in_unknown_words_stops_with_one_line_naming_them(tmp_path, capsys):
+    import pytest
+    import checkpoint
+    import eval as ev
+    tok = data.build_tokenizer()
+    known = f"1 : {data.name_pool()[0]} {data.RELATIONS[0]} _ ?"
+    assert data.unknown_words(tok, known) == []
+    assert data.unknown_words(tok, "1 : kalo friend _ ? 2 : mira rival _ kalo ?") == ["kalo", "mira"]
+    assert data.unknown_words(data.build_bpe_tokenizer(), "1 : kalo friend _ ?") == []     # BPE reads any word
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)
+    checkpoint.save_model(str(tmp_path), model, tok, data.SYSTEM_PROMPT)
+    with pytest.raises(SystemExit) as stop:          # before any episode runs
+        ev.main(["--checkpoint", str(tmp_path), "--device", "cpu", "--question", "1 : kalo friend _ ? 2 : mira rival _ ?"])
+    message = str(stop.value.code)                   # a string: Python prints it on stderr and exits with status 1
+    assert "\n" not in message and "kalo mira" in message and "data.name_pool()" in message
+    assert capsys.readouterr().out == ""

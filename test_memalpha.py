@@ -1,4 +1,4 @@
-"""Mem-alpha (ALGORITHM.md section 2, recipes/memalpha.py): the 4-part reward, the chunked loop, the GRPO step,
+"""Mem-alpha (recipes/memalpha.py): the 4-part reward, the chunked loop, the GRPO step,
 evaluation and baselines, SFT rows, kill and resume. Its memory and task: test_memalpha_memory.py,
 test_memalpha_data.py."""
 import copy

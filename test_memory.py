@@ -1,4 +1,4 @@
-"""Snail-shell truncation (the seed's 4-round example), the nested <mem> defect, mem spans, mem_traj."""
+"""Snail-shell truncation (a 4-round worked example), the nested <mem> defect, mem spans, mem_traj."""
 import pytest
 
 import data
@@ -29,7 +29,8 @@ def test_seed_example_round5_sees_only_round4():
 
 def test_no_nested_mem_defect_through_the_real_record_path(expert_rollout):
     """forced "<mem>" prefix + sampled output -> llm_gen record -> the next round's context: one <mem>, not two."""
-    from rollout import AgentConfig, SearchTool
+    from rollout import AgentConfig
+    from search import SearchTool
     world, tasks = data.make_tasks(5, 16, [2], (2, 2))         # 4 searches each, then the answer
     cfg = AgentConfig(system_prompt=SYS, max_turns=5, max_new_tokens=60, temperature=0.0)
     trajs, tok = expert_rollout(tasks, SearchTool(world.docs), cfg)

@@ -245,7 +245,7 @@ def test_one_memtrain_step_changes_weights_and_logs_dropped_groups():
     model = data.build_tiny_model(tok, hidden=64, layers=1, heads=4, ffn=128, seed=0)
     assert memtrain_tasks.add_words(tok, model, memtrain_tasks.MEMTRAIN_WORDS)
     format_warm_start(model, tok)
-    # 8 questions: the DAPO filter kept 1 / 2 / 1 of 4 groups (1 thread / ATEN default / 2 threads, issue 22),
+    # 8 questions: the DAPO filter kept 1 / 2 / 1 of 4 groups (at 1 thread / the ATen default / 2 threads),
     # one tie away from a skipped step; twice the groups keep the check off that edge
     cfg = train.parse_args(["--algo", "memtrain", "--questions", "8", "--group", "8", "--imr-group", "2",
                             "--mem-tokens", "8", "--max-chunks", "2", "--lr", "1e-3"], memtrain.MemTrainConfig)

@@ -22,8 +22,9 @@ import sft
 import train
 from memory import mem_token_end
 from reward import answer_template
-from rollout import (AgentConfig, PROTOCOL_PROMPT, SearchTool, checkpoint_prompt, encode_chat, generate, left_pad,
+from rollout import (AgentConfig, PROTOCOL_PROMPT, checkpoint_prompt, encode_chat, generate, left_pad,
                      parse_action, rollout, run_episodes, stop_strings)
+from search import SearchTool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -77,7 +78,7 @@ def test_greedy_engine_equals_model_generate_on_the_bpe_folder(real):
 
 
 def test_engine_runs_under_bf16_autocast_over_fp32_weights(real):
-    """rollout.autocast's forward: fp32 master weights, bf16 compute; the KV cache must take both dtypes."""
+    """models.autocast's forward: fp32 master weights, bf16 compute; the KV cache must take both dtypes."""
     model, tok = real
     prompts = [ids(tok, "<mem> 1 = kalo friend"), ids(tok, "hello there")]
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -329,9 +329,11 @@ def test_memory_reward_rounds_and_nothing_to_score(tok):
     x = NAMES[2]
     skip = _trajectory(tok, x, [None])                 # round 2 has no <mem>: nothing to score
     out = memory_rewards(NoForward(), tok, [skip, _trajectory(tok, x, [])])
-    assert out == {"rewards": [[], []], "rounds": [[], []], "p_mem": [], "p_full": [],
+    logps = {k: out.pop(k) for k in ("word_logp_full", "word_logp_mem")}
+    assert out == {"rewards": [[], []], "rounds": [[], []], "scored": [], "p_mem": [], "p_full": [],
                    "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "no_signal_frac": 0.0, "n": 0,
                    "ungrounded": 0}
+    assert all(lp.shape == (0, 0) for lp in logps.values())          # the same keys as when rounds are scored
     assert memory_rewards(NoForward(), tok, [])["rewards"] == []
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     mixed = _trajectory(tok, x, ["1", None, "2 friend", f"1 : friend {x}"])

@@ -7,7 +7,8 @@ import torch
 import data
 import grpo
 from reward import outcome_reward
-from rollout import AgentConfig, SearchTool, generate, left_pad, parse_action, rollout, sample_next, stop_strings
+from rollout import AgentConfig, generate, left_pad, parse_action, rollout, sample_next, stop_strings
+from search import SearchTool
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +227,7 @@ def test_accessed_page_reaches_the_next_snail_context_as_its_first_100_character
         assert _contains(ctx2, tok.encode(names[35], add_special_tokens=False)) == (context == "full")
 
 
-# ---------------------------------------------------------------- the prefix cache (issue 16)
+# ---------------------------------------------------------------- the prefix cache
 class SearchesAfter(torch.nn.Module):
     """A real model that writes ``free`` tokens of its own, then ``<search> name </search>``: from the ``free``-th
     new token of a ``generate`` call on, a row is pushed to ``chain[0]``, and after ``chain[i]`` to ``chain[i + 1]``

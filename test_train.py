@@ -17,7 +17,8 @@ import reward
 import rollout
 import sft
 import train
-from rollout import AgentConfig, SearchTool
+from rollout import AgentConfig
+from search import SearchTool
 
 # The fixture policy answers no question right (every score 0), so an update needs the memory reward to
 # vary: threshold 0 makes P a geometric mean over all gold tokens (never exactly 0). Measured on the
@@ -37,7 +38,8 @@ def read_metrics(path):
 
 def test_sft_loss_falls_and_policy_writes_valid_rounds(sft_run):
     from reward import _check_round, outcome_reward
-    from rollout import SearchTool, rollout
+    from rollout import rollout
+    from search import SearchTool
     m = read_metrics(sft_run / "metrics.jsonl")
     losses = [r["loss"] for (stage, _), r in sorted(m.items()) if stage == "sft"]
     assert losses[-1] < 0.5 * losses[0]
@@ -103,7 +105,7 @@ def test_outcome_norm_none_gives_the_rl_step_score_minus_group_mean(sft_run, mon
 
 
 def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
-    """Policy-gradient sanity (issue 24): sampled rollouts of the trained policy, MemPO's advantages as rl_step
+    """Policy-gradient sanity: sampled rollouts of the trained policy, MemPO's advantages as rl_step
     builds them, one AdamW step at a small lr; re-scored on the same batch, sum(A * log pi) over the loss tokens
     must rise (first order: AdamW's first step moves each weight by lr * sign(grad), so the change is
     lr * sum|grad| > 0). A sign error, a misplaced advantage or a mask that hides the sampled tokens fails it."""
@@ -430,7 +432,7 @@ def test_fresh_run_refuses_a_folder_that_holds_a_run(tmp_path):
 
 def test_expert_samples_renders_only_the_requested_rounds_identically():
     import random
-    from rollout import SearchTool
+    from search import SearchTool
     tok, rng = data.build_tokenizer(), random.Random(0)
     world = data.make_world(1)
     tool = SearchTool(world.docs)
@@ -438,9 +440,9 @@ def test_expert_samples_renders_only_the_requested_rounds_identically():
         task = data.make_task(world, rng, rng.randint(1, 4), (1, 3))
         full = sft.expert_samples(tok, task, tool, forget=True)
         assert len(full) == sum(len(o.relations) for o in task.objectives) + 1     # one search per hop + answer
-        keep = {0, len(full) // 2, len(full) - 1}
-        part = sft.expert_samples(tok, task, tool, forget=True, rounds=keep)
-        assert [(s.ids, s.n_prompt) for s in part] == [(full[t].ids, full[t].n_prompt) for t in sorted(keep)]
+        picked = {0, len(full) // 2, len(full) - 1}
+        part = sft.expert_samples(tok, task, tool, forget=True, picked_rounds=picked)
+        assert [(s.ids, s.n_prompt) for s in part] == [(full[t].ids, full[t].n_prompt) for t in sorted(picked)]
 
 
 def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():
@@ -449,7 +451,7 @@ def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():
     tok = data.build_tokenizer()
     world = data.make_world(3)
     task = data.make_task(world, _random.Random(1), 2, (1, 2))
-    tool = rollout.SearchTool(world.docs)
+    tool = SearchTool(world.docs)
     ep = data.expert_episode(task, True)
     rows = sft.probe_samples(tok, task, tool, True, _random.Random(0), 1.0)
     assert len(rows) == 2 * (len(ep) - 1)                       # two rows for every round >= 2, none for round 1
@@ -510,7 +512,8 @@ def test_group_stats_and_zero_variance_metrics():
     stats = train.group_stats(outs, mem, gids)
     assert stats == [(True, True), (True, False), (False, True)]
     assert train.group_stats(outs, None, gids) == [(True, False), (True, False), (False, False)]
-    v = {"outs": outs, "turns": [1] * 6, "tokens": [10], "early": [], "k": [2, 2, 3, 3, 1, 1], "groups": stats}
+    v = {"outs": outs, "turns": [1] * 6, "tokens": [10], "early": [], "k": [2, 2, 3, 3, 1, 1], "groups": stats,
+         "search_failures": [0]}
     m = train.step_metrics(v)
     assert m["zero_var_frac"] == pytest.approx(2 / 3)
     assert m["zero_var_mem_frac"] == pytest.approx(1 / 3)

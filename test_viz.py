@@ -14,7 +14,8 @@ import data
 from grpo import grouped_advantage, memory_advantage
 from memory import Record, mem_token_end, prepare_prompt, tool_record
 from reward import memory_rewards, outcome_reward
-from rollout import AgentConfig, Round, SearchTool, Trajectory, encode_chat, parse_action, rollout
+from rollout import AgentConfig, Round, Trajectory, encode_chat, parse_action, rollout
+from search import SearchTool
 from viz import format_episode, page_html, signed, step_record, token_pieces, write_page
 
 W = 0.5       # a memory weight other than 1, so A_T + w * A_M is not A_T + A_M

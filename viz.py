@@ -17,7 +17,7 @@ forced prefix included) through ``grpo.token_advantages``, so a token shows
     A_T[i] + w * A_M[i, t]   sampled, inside round t's <mem> A_M = 0 for a round without a memory reward
     not trained              the forced "<mem>" prefix (loss mask 0), a round with no sampled token
 
-Choices (the issue leaves these open):
+Choices of this page:
 * Colour: a diverging scale, red < 0 < blue, white at 0, saturated at the page's largest |advantage|
   rounded up to a multiple of 0.5 (``write_page(vmax=...)`` fixes it, e.g. to compare steps); the legend
   prints the scale. A round holds at most a few distinct advantages (A_T, and A_T + w * A_M on its
@@ -55,7 +55,9 @@ import data
 from grpo import grouped_advantage, memory_advantage, token_advantages
 from memory import extract_mem
 from reward import memory_rewards, outcome_reward
-from rollout import AgentConfig, SearchTool, checkpoint_prompt, load_pretrained, parse_action, pick_device, rollout
+from models import load_pretrained, pick_device
+from rollout import AgentConfig, checkpoint_prompt, parse_action, rollout
+from search import SearchTool
 
 THINK_RE = re.compile(r"<think>(.*?)</think>", re.S)
 RULE_RE = re.compile(r"^(rule \d+)")

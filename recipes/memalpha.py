@@ -59,13 +59,14 @@ import data
 import dist
 import train
 from grpo import Sample, grouped_advantage
+from models import load_model, pick_device
 from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunks_answer, chunks_messages,
                                    long_context_chunks, make_memalpha_instances, memalpha_texts, memory_answer,
                                    rag_chunks, writer_calls)
 from recipes.memalpha_memory import (WRITER_SYSTEM, StructuredMemory, ToolCall, answerer_messages,
                                      execute_tool_calls, parse_tool_calls, writer_messages)
 from reward import em_score
-from rollout import encode_chat, generate, load_model, pick_device
+from rollout import encode_chat, generate
 from sft import cosine_lr, run_sft
 
 flag = train.flag
@@ -91,7 +92,7 @@ class MemAlphaConfig(train.Config):
     facts_per_chunk: int = flag(2, "new facts per chunk")
     questions_per_instance: int = flag(4, "questions per instance")
     flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises")
-    # lr 1e-5 and T 0.7 are train.Config's (issue 24); 8 instances, not 4, for the same reason train.py's
+    # lr 1e-5 and T 0.7 are train.Config's; 8 instances, not 4, for the same reason train.py's
     # questions went 8 -> 16: half the gradient's sampling noise (3 seeds: no RL effect at either step,
     # results/MEMALPHA.md section 9)
     instances: int = flag(8, "instances per GRPO step")

@@ -16,7 +16,7 @@ The scripted writer (the SFT cold start's teacher) runs its own calls against a 
 so it can name ids: per chunk, an insert ``semantic "s r o"`` per new fact, ``memory_update``
 of the old entry per change, ``memory_delete`` per ended fact, an insert ``episodic "on day D s v o"``
 per event and a core rewrite ``latest report day D`` (a real, if short, summary). Its flaw (decided per
-INSTANCE, ALGORITHM.md 4.1: per-call noise is averaged away by imitation): on a ``flaw_p`` share of
+INSTANCE: per-call noise is averaged away by imitation): on a ``flaw_p`` share of
 instances it never revises, i.e. writes no update or delete, so the stale value stays and the
 change questions fail; RL has that headroom.
 ``memory_answer`` is the answerer's teacher: it reads the answer off what the answerer is shown (the
@@ -66,7 +66,7 @@ from data import (CHATML_SPECIALS, CHATML_TEMPLATE, RELATIONS, UNKNOWN, DataErro
                   read_jsonl)
 from recipes.memalpha_memory import (ANSWER_SYSTEM, MEMORY_TYPES, TOOL_ARGS, TRUNCATED, WRITER_SYSTEM,
                                      StructuredMemory, tool_call_text)
-from rollout import bm25_tokens
+from search import bm25_tokens
 
 EVENT_VERBS = ["met", "visited", "called", "helped"]
 NONE_ANSWER = "none"

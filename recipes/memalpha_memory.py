@@ -15,7 +15,7 @@ edited by tool calls in Qwen2.5's ``<tool_call>{"name", "arguments"}</tool_call>
   top-k of each store (r1's answerer context). The variant is BM25+ (``BM25Plus``), not Okapi:
   Okapi's idf log((N - n + .5) / (n + .5)) is <= 0 for a word in half the entries, so on a store
   of one or two entries every score is 0 and the ranking is arbitrary; BM25+'s idf
-  log((N + 1) / n) stays positive. Ties go to the newer entry. Words are ``rollout.bm25_tokens``.
+  log((N + 1) / n) stays positive. Ties go to the newer entry. Words are ``search.bm25_tokens``.
 * ``render(query)``: the prompt view, core in full and per store the union of the ``n_relevant``
   entries most relevant to ``query`` (the incoming chunk) by BM25 and the ``n_recent`` newest, with
   their ids, in insertion order, plus how many are hidden. Choice: the original shows only the 5
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from rank_bm25 import BM25Plus
 
-from rollout import bm25_tokens
+from search import bm25_tokens
 
 MEMORY_TYPES = ("core", "semantic", "episodic")
 LIST_TYPES = ("semantic", "episodic")

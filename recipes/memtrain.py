@@ -1,4 +1,4 @@
-"""MemTrain: self-supervised memory pre-training of the memory agent (ALGORITHM.md section 3).
+"""MemTrain: self-supervised memory pre-training of the memory agent (the MemTrain paper's recipe).
 
     python -m recipes.memtrain --model SFT_RUN/final --run runs/memtrain    # then: train.py --model runs/memtrain/final
 
@@ -69,7 +69,8 @@ from memory import Record, extract_mem, mem_token_end, prepare_prompt, tool_reco
 from recipes.memtrain_tasks import (MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks,
                                     memtrain_expert_rounds, world_memtrain_tasks)
 from reward import em_score
-from rollout import Round, SearchTool, cut_at_stop, encode_chat, generate, stop_strings
+from rollout import Round, cut_at_stop, encode_chat, generate, stop_strings
+from search import SearchTool
 from sft import run_sft
 
 flag = train.flag
@@ -80,7 +81,7 @@ class MemTrainConfig(train.Config):
     """MemTrain: self-supervised memory pre-training (masked reconstruction + IMR)."""
     run: str = flag("runs/memtrain", "output folder (metrics.jsonl, checkpoints, final/)")
     algo: str = flag("memtrain", "memtrain (this recipe; the step's log name)")
-    # lr 1e-5, T 0.7 and 16 tasks a step are train.Config's RL step (issue 24; results/MEMTRAIN.md, "At the new
+    # lr 1e-5, T 0.7 and 16 tasks a step are train.Config's RL step (results/MEMTRAIN.md, "At the new
     # RL step" and "The same pipeline on another machine")
     questions: int = flag(16, "masked-reconstruction tasks per RL step")
     # --questions tasks x --group G1 end-to-end rollouts per step
@@ -303,9 +304,12 @@ def main(argv=None) -> None:
     add_words(tokenizer, model, MEMTRAIN_WORDS)        # [MASK], [TARGET], ... (no-op for BPE)
     model = dist.wrap_for_training(model, device)
     checkpoint.write_config(cfg.run, asdict(cfg))
-    step = lambda model, ref_model, opt, s: memtrain_step(model, ref_model, tokenizer, opt, cfg, s, real_tool)
+
+    def take_step(model, ref_model, optimizer, s: int) -> dict:      # one MemTrain RL step
+        return memtrain_step(model, ref_model, tokenizer, optimizer, cfg, s, real_tool)
+
     warmup = (lambda: run_memtrain_warmup(model, tokenizer, cfg, metrics_path, real_tool)) if cfg.memtrain_warmup else None
-    train.train_policy(cfg, model, tokenizer, prompt, state, trainer, metrics_path, step, trajectories, warmup,
+    train.train_policy(cfg, model, tokenizer, prompt, state, trainer, metrics_path, take_step, trajectories, warmup,
                        validate=not cfg.data)
 
 

@@ -1,4 +1,4 @@
-"""MemTrain's evaluation: reconstruction and IMR accuracy of the memory agent (greedy), ALGORITHM.md section 3.
+"""MemTrain's evaluation: reconstruction and IMR accuracy of the memory agent (greedy).
 
     python -m recipes.memtrain_eval --checkpoint runs/memtrain [--corpus wiki.jsonl]
 
@@ -18,9 +18,9 @@ import random
 
 import data
 from eval import load
+from models import pick_device
 from recipes.memtrain import MemAgentConfig, imr_rollout, memory_rollout, reconstruction_reward
 from recipes.memtrain_tasks import MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks, world_memtrain_tasks
-from rollout import pick_device
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
 

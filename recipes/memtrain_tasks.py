@@ -1,4 +1,4 @@
-"""MemTrain's proxy tasks (ALGORITHM.md section 3): masked-entity reconstruction over any corpus, IMR, and
+"""MemTrain's proxy tasks: masked-entity reconstruction over any corpus, IMR, and
 the words an SFT checkpoint of the world lacks.
 
 Masked reconstruction (the end-to-end task), built from ANY corpus of {id, contents}:
@@ -37,7 +37,7 @@ from rank_bm25 import BM25Okapi
 from transformers import AddedToken
 
 from data import DataError, World, make_world, name_pool
-from rollout import bm25_tokens
+from search import bm25_tokens
 
 MASK, TARGET = "[MASK]", "[TARGET]"
 MEMTRAIN_WORDS = [MASK, TARGET, "which", "entity", "is", "of"]   # words the world's vocabulary lacks
