@@ -518,3 +518,17 @@ def test_group_stats_and_zero_variance_metrics():
     assert m["zero_var_frac"] == pytest.approx(2 / 3)
     assert m["zero_var_mem_frac"] == pytest.approx(1 / 3)
     assert (m["score_k1"], m["score_k2"], m["score_k3"]) == (0.5, 1.0, 0.0)
+
+
+def test_copy_rows_count_their_entries():
+    """A copy row's <mem> holds one numbered entry per objective of its question: the warm-up draws K in
+    1-4, the rows mixed into later batches (--sft-copy-mix) K in --sft-copy-objectives."""
+    tok = data.build_tokenizer()
+    cfg = train.parse_args(["--sft-batch", "64"])
+
+    def entry_counts(rows):
+        texts = [tok.decode(r.ids[r.n_prompt:]) for r in rows]
+        return {len(t.split("</mem>")[0].split(";")) for t in texts}
+    assert entry_counts(sft.copy_batch(tok, cfg, 0)) == {1, 2, 3, 4}
+    mixed = sft.copy_batch(tok, cfg, 0, n=200, objectives=(5, 8))
+    assert len(mixed) == 200 and entry_counts(mixed) == {5, 6, 7, 8}

@@ -100,7 +100,9 @@ class Config:
     # warm-up steps on a pure copy task (the 3-layer model learns to copy at ~650-850)
     sft_copy_steps: int = flag(800, "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model "
                                     "to copy names)")
-    sft_copy_objectives: str = flag("1-4", "objective counts K of the copy warm-up's questions")
+    # copy rows past the expert's K keep round 1 of longer questions right (results/STUDIES.md, the horizon)
+    sft_copy_mix: float = flag(0.0, "after the warm-up, copy rows added to every SFT batch, as a share of --sft-batch")
+    sft_copy_objectives: str = flag("1-6", "objective counts K of those copy rows")
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
     forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw")
     sft_objectives: str = flag("1-4", "objective counts K of SFT questions, e.g. 1-10")
