@@ -170,7 +170,12 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
     return out[: cfg.sft_batch] + probes
 
 
-def copy_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT) -> list[Sample]:
+# K of the warm-up's questions: on 1-8 from the start the 3-layer model never leaves the copy plateau
+COPY_WARMUP_OBJECTIVES = (1, 4)
+
+
+def copy_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT, n: int | None = None,
+               objectives: tuple[int, int] = COPY_WARMUP_OBJECTIVES) -> list[Sample]:
     """Warm-up rows: a random question -> its objectives copied as ``<mem>`` entries.
 
     A tiny model learns to copy a name from its context only after a long loss plateau. On these
@@ -182,9 +187,9 @@ def copy_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMP
     rng = random.Random(cfg.seed * 3_000_017 + step)
     names = data.name_pool()
     out = []
-    for _ in range(cfg.sft_batch):
+    for _ in range(cfg.sft_batch if n is None else n):
         chains = [[rng.choice(names)] + [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))]
-                  for _ in range(rng.randint(1, 4))]
+                  for _ in range(rng.randint(*objectives))]
         question = data.format_question(chains)
         ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], system_prompt))
         mem = data.format_mem({k: data.open_path(c) for k, c in enumerate(chains)})
@@ -256,7 +261,12 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
             return file_batch(tokenizer, cfg, step, trajectories, system_prompt)
         if step < cfg.sft_copy_steps:
             return copy_batch(tokenizer, cfg, step, system_prompt)
-        return sft_batch(tokenizer, cfg, step, system_prompt)
+        rows = sft_batch(tokenizer, cfg, step, system_prompt)
+        if cfg.sft_copy_mix > 0:         # copy rows past the expert's K keep round 1 of longer questions trained
+            ks = data.int_range(cfg.sft_copy_objectives)
+            rows += copy_batch(tokenizer, cfg, step, system_prompt, round(cfg.sft_copy_mix * cfg.sft_batch),
+                               (ks[0], ks[-1]))
+        return rows
 
     lr = lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)
     state = lambda step: {"stage": "sft", "step": step, "precision": cfg.precision}

@@ -501,3 +501,34 @@ def test_early_answer_counts_searches_against_the_question_s_hops(expert_rollout
     assert reward.early_answer(t) == 0.0
     t.question = "who founded the city?"                               # a real question: hops unknown
     assert reward.early_answer(t) is None
+
+
+def test_group_stats_and_zero_variance_metrics():
+    """Hand-computed: group 0 scores [1, 1] (no outcome signal) with memory rewards that differ, group 1
+    [0, 0] with equal memory rewards, group 2 [1, 0]; K = 2, 2, 3, 3, 1, 1."""
+    outs = [{"score": s, "em": s, "f1": s, "valid": 1.0} for s in (1.0, 1.0, 0.0, 0.0, 1.0, 0.0)]
+    mem = {"rewards": [[0.1, 0.0], [0.3], [0.2], [0.2], [0.4], [0.5]]}
+    gids = [0, 0, 1, 1, 2, 2]
+    stats = train.group_stats(outs, mem, gids)
+    assert stats == [(True, True), (True, False), (False, True)]
+    assert train.group_stats(outs, None, gids) == [(True, False), (True, False), (False, False)]
+    v = {"outs": outs, "turns": [1] * 6, "tokens": [10], "early": [], "k": [2, 2, 3, 3, 1, 1], "groups": stats,
+         "search_failures": [0]}
+    m = train.step_metrics(v)
+    assert m["zero_var_frac"] == pytest.approx(2 / 3)
+    assert m["zero_var_mem_frac"] == pytest.approx(1 / 3)
+    assert (m["score_k1"], m["score_k2"], m["score_k3"]) == (0.5, 1.0, 0.0)
+
+
+def test_copy_rows_count_their_entries():
+    """A copy row's <mem> holds one numbered entry per objective of its question: the warm-up draws K in
+    1-4, the rows mixed into later batches (--sft-copy-mix) K in --sft-copy-objectives."""
+    tok = data.build_tokenizer()
+    cfg = train.parse_args(["--sft-batch", "64"])
+
+    def entry_counts(rows):
+        texts = [tok.decode(r.ids[r.n_prompt:]) for r in rows]
+        return {len(t.split("</mem>")[0].split(";")) for t in texts}
+    assert entry_counts(sft.copy_batch(tok, cfg, 0)) == {1, 2, 3, 4}
+    mixed = sft.copy_batch(tok, cfg, 0, n=200, objectives=(5, 8))
+    assert len(mixed) == 200 and entry_counts(mixed) == {5, 6, 7, 8}

@@ -100,6 +100,9 @@ class Config:
     # warm-up steps on a pure copy task (the 3-layer model learns to copy at ~650-850)
     sft_copy_steps: int = flag(800, "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model "
                                     "to copy names)")
+    # copy rows past the expert's K keep round 1 of longer questions right (results/STUDIES.md, the horizon)
+    sft_copy_mix: float = flag(0.0, "after the warm-up, copy rows added to every SFT batch, as a share of --sft-batch")
+    sft_copy_objectives: str = flag("1-6", "objective counts K of those copy rows")
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
     forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw")
     sft_objectives: str = flag("1-4", "objective counts K of SFT questions, e.g. 1-10")
@@ -253,7 +256,8 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
     """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
          "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
-         "early": [e for e in (early_answer(t) for t in trajs) if e is not None]}
+         "early": [e for e in (early_answer(t) for t in trajs) if e is not None],
+         "k": [len(t.golds) for t in trajs], "groups": group_stats(outs, mem, group_ids)}
     if mem is not None:
         # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
         v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
@@ -261,6 +265,22 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
               "no_signal": [mem["no_signal_frac"] * mem["n"]], "ungrounded": [mem["ungrounded"]],
               "pool_std": memory_pool_stds(mem["rewards"], group_ids, mem["rounds"], cfg.mem_adv_norm)}
     return v
+
+
+def group_stats(outs: list[dict], mem: dict | None, group_ids: list[int]) -> list[tuple[bool, bool]]:
+    """Per group: (every rollout scored the same, its memory rewards still differ).
+
+    A group of equal scores gets outcome advantage 0 on every token (GRPO learns nothing from it); its
+    memory rewards, where they differ, are the only signal MemPO has there."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(g, []).append(i)
+    stats = []
+    for idx in members.values():
+        flat = {outs[i]["score"] for i in idx}
+        rewards = {x for i in idx for x in mem["rewards"][i]} if mem is not None else set()
+        stats.append((len(flat) == 1, len(rewards) > 1))
+    return stats
 
 
 def step_metrics(v: dict[str, list]) -> dict:
@@ -271,6 +291,11 @@ def step_metrics(v: dict[str, list]) -> dict:
              em=sum(o["em"] for o in outs) / len(outs), f1=sum(o["f1"] for o in outs) / len(outs),
              valid=sum(o["valid"] for o in outs) / len(outs), turns=sum(v["turns"]) / len(v["turns"]),
              tokens=sum(v["tokens"]), search_failures=sum(v["search_failures"]))
+    groups = v["groups"]
+    m["zero_var_frac"] = sum(z for z, _ in groups) / len(groups)
+    m["zero_var_mem_frac"] = sum(z and d for z, d in groups) / len(groups)    # where only the memory reward ranks
+    for k in sorted(set(v["k"])):                                              # score per objective count K
+        m[f"score_k{k}"] = mean([o["score"] for o, kk in zip(outs, v["k"]) if kk == k])
     if v["early"]:                      # embedded world: answered after fewer searches than the question's hops
         m["early_frac"] = sum(v["early"]) / len(v["early"])
     if "mem" in v:
