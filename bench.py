@@ -513,7 +513,7 @@ def step_searches(model, tok, device) -> dict:
     tasks, tool = train.rl_tasks(cfg, 0)
     timed = Timed(tool.docs)
     agent = train.agent_config(cfg)
-    with engine.autocast(cfg.precision, device):
+    with models.autocast(cfg.precision, device):
         engine.rollout(model, tok, tasks, cfg.group, timed, agent, torch.Generator(device).manual_seed(0))
     return {"searches": timed.queries, "search_s": timed.seconds}
 
@@ -773,7 +773,7 @@ def main(argv=None) -> None:
         step = step_s = None
         path = args.checkpoint or next((p for p in DEFAULT_CHECKPOINTS if os.path.exists(p)), "")
         if path:
-            model, tok = engine.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path)
+            model, tok = models.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path)
             step_s = step_seconds(bench_train_step(model, tok, device, 1))
             step = step_searches(model, tok, device)
         print(f"# python bench.py --search-only{' --quick' if args.quick else ''}  model={path or 'none'}  "
