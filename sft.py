@@ -11,7 +11,8 @@ checkpoints). MemPO's cold start (``cold_start``) feeds it:
   results) on a world drawn for the step, a few rounds per episode, the K curriculum, ``--forget-p`` of the
   episodes with the forgetting flaw; plus probe rows (``probe_samples``, ``--sft-probe``): both contexts the
   memory reward scores -> the answers that context holds, after a ``<think> probe </think> <answer>``
-  marker without loss (reward.py, choice 1);
+  marker without loss (reward.py, choice 1); with ``--sft-copy-mix``, copy rows of ``--sft-copy-objectives``
+  too (round 1 of questions longer than the expert's, which otherwise garbles past its largest K);
 * or, with ``--sft-data``, ``file_batch``: rounds of a chat-format trajectory file, rendered with the run's
   system prompt.
 
