@@ -291,15 +291,21 @@ class SameTape(torch.nn.Module):
         return out
 
 
+def expert_tape(tok, task) -> tuple[list[str], list[int]]:
+    """The expert's rounds of ``task`` and their ids in order, less the "<mem>" the loop forces from round 2."""
+    rounds = [text for text, _ in data.expert_episode(task)]
+    tape = []
+    for t, text in enumerate(rounds):
+        ids = tok.encode(text, add_special_tokens=False)
+        tape += ids[1:] if t > 0 else ids
+    return rounds, tape
+
+
 def test_agent_loop_searches_once_per_round_with_every_rows_query():
     tok = data.build_tokenizer()
     inner = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
     world, tasks = data.make_tasks(4, 1, [2], (2, 2))
-    rounds = [text for text, _ in data.expert_episode(tasks[0])]
-    tape = []
-    for t, text in enumerate(rounds):
-        ids_ = tok.encode(text, add_special_tokens=False)
-        tape += ids_[1:] if t > 0 else ids_
+    rounds, tape = expert_tape(tok, tasks[0])
     tool = Recorder(world.docs)
     cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=len(rounds), max_new_tokens=60)
     trajs = rollout(SameTape(inner, tape), tok, tasks, 4, tool, cfg, torch.Generator().manual_seed(0))
@@ -317,11 +323,7 @@ def test_failed_searches_reach_the_trajectory_and_the_run_goes_on():
     tok = data.build_tokenizer()
     inner = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
     world, tasks = data.make_tasks(4, 1, [1], (2, 2))
-    rounds = [text for text, _ in data.expert_episode(tasks[0])]
-    tape = []
-    for t, text in enumerate(rounds):
-        ids_ = tok.encode(text, add_special_tokens=False)
-        tape += ids_[1:] if t > 0 else ids_
+    rounds, tape = expert_tape(tok, tasks[0])
     client = SearchClient(f"http://127.0.0.1:{free_port()}/retrieve", retries=0)
     cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=2, max_new_tokens=60)
     trajs = rollout(SameTape(inner, tape), tok, tasks, 2, client, cfg)
