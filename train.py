@@ -52,6 +52,7 @@ import dist
 import viz
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, micro_batches, policy_loss,
                   token_advantages, token_logprobs)
+from memory import extract_mem
 from models import autocast, load_pretrained
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
@@ -147,6 +148,9 @@ class Config:
                                     "rewards left out)")
     mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens")
     mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
+    # P_mem - P_full cannot see an entry dropped before its answer is found; the world can (data.mem_entry_score)
+    entry_reward: float = flag(0.0, "MemPO, embedded world: add this times the share of right <mem> entries to "
+                                    "each round's memory reward (0 = the paper's reward)")
     faithful: bool = flag(False, "the paper's memory reward exactly: --mem-mask separate --mem-adv-norm std "
                                  "--mem-weight 1, no gate")
     # without probe rows the small policy cannot answer right after a context (P_full ~0)
@@ -252,6 +256,18 @@ def build_samples(trajs, adv_t: torch.Tensor, mem: dict | None, mem_adv: list[li
     return samples
 
 
+def add_entry_rewards(mem: dict, trajs, tasks: list, q0: int, weight: float) -> None:
+    """``mem["rewards"][i][j] += weight * data.mem_entry_score`` of round ``mem["rounds"][i][j]``'s ``<mem>``;
+    the scores go to ``mem["entry"]`` for the step's ``entry_score``."""
+    mem["entry"] = []
+    for i, traj in enumerate(trajs):
+        task = tasks[traj.group_id - q0]
+        for j, t in enumerate(mem["rounds"][i]):
+            score = data.mem_entry_score(task, extract_mem(traj.rounds[t].text) or "")
+            mem["rewards"][i][j] += weight * score
+            mem["entry"].append(score)
+
+
 def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config) -> dict[str, list]:
     """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
@@ -264,6 +280,8 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
               "mask_mem": mem["mask_mem"], "mask_full": mem["mask_full"], "empty": [mem["empty_frac"] * mem["n"]],
               "no_signal": [mem["no_signal_frac"] * mem["n"]], "ungrounded": [mem["ungrounded"]],
               "pool_std": memory_pool_stds(mem["rewards"], group_ids, mem["rounds"], cfg.mem_adv_norm)}
+        if "entry" in mem:
+            v["entry"] = mem["entry"]
     return v
 
 
@@ -305,6 +323,8 @@ def step_metrics(v: dict[str, list]) -> dict:
                  mask_mem=mean(v["mask_mem"]), mask_full=mean(v["mask_full"]),
                  empty_frac=n_empty / len(flat) if flat else 0.0, no_signal_frac=n_none / len(flat) if flat else 0.0,
                  mem_rounds=len(flat), ungrounded=sum(v["ungrounded"]), pool_std=mean(v["pool_std"]))
+    if "entry" in v:                    # --entry-reward: share of right <mem> entries over the scored rounds
+        m["entry_score"] = mean(v["entry"])
     return m
 
 
@@ -333,6 +353,8 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
             with autocast(cfg.precision, model.device):
                 mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
                                      think=cfg.probe_think, gate=cfg.mem_gate)
+            if cfg.entry_reward and real_tasks is None:
+                add_entry_rewards(mem, trajs, tasks, q0, cfg.entry_reward)
             mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
         m["sec_reward"] = time.time() - t0
 
