@@ -41,21 +41,34 @@ import viz
 SPLIT_SEEDS = data.SPLIT_SEEDS
 
 
-def run_reward_config(checkpoint: str) -> tuple[str, float, str]:
-    """The memory reward's ``(mem_mask, threshold, probe_think)`` of the run that wrote ``checkpoint``.
-
-    Read from its RUN/config.json; ``checkpoint`` is a run folder or a folder inside one (``final``,
-    ``ckpt``, ``sft``). A run from before the probe marker (no ``probe_think`` in its config) scored
-    ``<think> answer``; a checkpoint without a run config (e.g. a hub model) gets the reward's defaults.
-    """
+def run_config(checkpoint: str) -> dict:
+    """The RUN/config.json of the run that wrote ``checkpoint`` (a run folder or a folder inside one: ``final``,
+    ``ckpt``, ``sft``); {} for a checkpoint without one (e.g. a hub model)."""
     for folder in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
         path = os.path.join(folder, "config.json")
         if os.path.isfile(path):
             with open(path) as f:
                 cfg = json.load(f)
             if "mem_mask" in cfg:                     # RUN/config.json, not a model's config.json
-                return cfg["mem_mask"], float(cfg.get("threshold", THRESHOLD)), cfg.get("probe_think", "answer")
-    return MEM_MASK, THRESHOLD, PROBE_THINK
+                return cfg
+    return {}
+
+
+def run_reward_config(checkpoint: str) -> tuple[str, float, str]:
+    """The memory reward's ``(mem_mask, threshold, probe_think)`` of the run that wrote ``checkpoint``.
+
+    A run from before the probe marker (no ``probe_think`` in its config) scored ``<think> answer``; a
+    checkpoint without a run config gets the reward's defaults.
+    """
+    cfg = run_config(checkpoint)
+    if not cfg:
+        return MEM_MASK, THRESHOLD, PROBE_THINK
+    return cfg["mem_mask"], float(cfg.get("threshold", THRESHOLD)), cfg.get("probe_think", "answer")
+
+
+def run_context(context: str | None, checkpoint: str) -> str:
+    """``--context`` if given, else the context the run trained in (a full-context agent is evaluated as one)."""
+    return context or run_config(checkpoint).get("train_context", "snail")
 
 
 def summarize(trajs: list) -> dict:
@@ -138,9 +151,12 @@ def load(path: str, device):
     return model.eval(), tokenizer, checkpoint_prompt(path)
 
 
-def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, context: str,
+def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, context: str | None,
             max_turns: int, hops: tuple[int, int], device) -> dict:
     """Per variant (a list of runs, one per seed) and K: mean and 95% interval of each metric.
+
+    Each run plays in ``context``, or when None in the context it trained in (``run_context``), so a
+    memory agent and a full-context agent share one table.
 
     Besides the outcome metrics it keeps each run's memory retention by rounds-ago (pooled over K),
     so a variant that forgets shows it here and in the plot of ``plot_compare``.
@@ -151,7 +167,7 @@ def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, c
         per_run = []
         for run in runs:
             model, tok, prompt = load(run, device)
-            agent = greedy_agent(context, max_turns, system_prompt=prompt)
+            agent = greedy_agent(run_context(context, run), max_turns, system_prompt=prompt)
             res, trajs_all, tasks_all = {}, [], []
             for k in ks:
                 tasks, tool = embedded_tasks(k, n, 0, split, hops)
@@ -167,7 +183,8 @@ def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, c
         out[name] = {k: {m: mean_ci(nan_free([r[k][m] for r in per_run])) for m in metrics} for k in ks}
         out[name]["by_ago"] = {a: mean_ci(nan_free([r["by_ago"][a] for r in per_run])) for a in per_run[0]["by_ago"]}
     for k in ks:
-        print(f"\nK = {k}  ({split} worlds, {n} questions, context={context}, mean +- 95% CI over seeds)")
+        print(f"\nK = {k}  ({split} worlds, {n} questions, context={context or 'as trained'}, "
+              f"mean +- 95% CI over seeds)")
         print(f"{'variant':<24}" + "".join(f"{m:>16}" for m in metrics))
         for name in variants:
             print(f"{name:<24}" + "".join(f"{out[name][k][m][0]:9.3f} +-{out[name][k][m][1]:5.3f}" for m in metrics))
@@ -181,7 +198,8 @@ def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, c
 
 
 def plot_compare(res: dict, folder: str) -> list[str]:
-    """PNG plots of a ``compare`` result: F1 vs K and retention vs rounds-ago (needs matplotlib)."""
+    """PNG plots of a ``compare`` result (needs matplotlib): ``f1_vs_k.png``, F1 vs K beside peak tokens of a
+    round (PT) vs K, and ``retention_vs_ago.png``; the error bars are the 95% intervals over seeds."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -190,22 +208,23 @@ def plot_compare(res: dict, folder: str) -> list[str]:
         print("matplotlib is not installed: no plots (pip install matplotlib)")
         return []
     os.makedirs(folder, exist_ok=True)
+    panels = {"f1_vs_k.png": [("f1", "F1 (held-out, greedy)"), ("pt", "peak tokens of a round (PT)")],
+              "retention_vs_ago.png": [("by_ago", "fraction of needed facts still in <mem>")]}
     paths = []
-    for fname, key, xlabel, ylabel in (("f1_vs_k.png", "f1", "objectives K", "F1 (held-out, greedy)"),
-                                       ("retention_vs_ago.png", "by_ago", "rounds since the fact was found",
-                                        "fraction of needed facts still in <mem>")):
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for name, r in res.items():
-            if key == "f1":
-                xs = [k for k in r if k != "by_ago"]
-                ys, es = zip(*(r[k]["f1"] for k in xs))
-            else:
-                xs = list(r["by_ago"])
-                ys, es = zip(*(r["by_ago"][a] for a in xs))
-            ax.errorbar([str(x) for x in xs], ys, yerr=es, marker="o", capsize=3, label=name)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
+    for fname, cols in panels.items():
+        fig, axes = plt.subplots(1, len(cols), figsize=(5 * len(cols), 3.5), squeeze=False)
+        for ax, (key, ylabel) in zip(axes[0], cols):
+            for name, r in res.items():
+                if key == "by_ago":
+                    xs = list(r["by_ago"])
+                    ys, es = zip(*(r["by_ago"][a] for a in xs))
+                else:
+                    xs = [k for k in r if k != "by_ago"]
+                    ys, es = zip(*(r[k][key] for k in xs))
+                ax.errorbar([str(x) for x in xs], ys, yerr=es, marker="o", capsize=3, label=name)
+            ax.set_xlabel("rounds since the fact was found" if key == "by_ago" else "objectives K")
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(os.path.join(folder, fname))
         fig.savefig(paths[-1], dpi=110)
@@ -281,7 +300,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare", nargs="+", metavar="NAME=RUN[,RUN...]",
                    help="side-by-side variants, each a comma-separated list of runs (one per seed)")
     p.add_argument("--objectives", type=int, nargs="+", default=[1, 2, 4, 6, 8, 10], help="objective counts K")
-    p.add_argument("--context", default="snail", choices=["snail", "full"], help="context mode")
+    p.add_argument("--context", default=None, choices=["snail", "full"],
+                   help="context mode (default: the one the run trained in; snail for a model from elsewhere)")
     p.add_argument("--max-turns", type=int, default=64, help="max rounds per episode")
     p.add_argument("--max-new-tokens", type=int, default=128, help="max tokens per round")
     p.add_argument("--tasks", type=int, default=64, help="questions per K (embedded world)")
@@ -383,6 +403,7 @@ def main(argv=None) -> None:
     hops = tuple(int(x) for x in args.hops.split("-"))
     if args.compare:
         return compare_runs(args, hops, device)
+    args.context = run_context(args.context, args.checkpoint)
     model, tokenizer, prompt = load(args.checkpoint, device)
     torch.manual_seed(args.seed)                    # --temperature > 0: the same sampled episodes on a rerun
     if args.system_prompt:

@@ -80,3 +80,12 @@ def test_a_question_in_unknown_words_stops_with_one_line_naming_them(tmp_path, c
     message = str(stop.value.code)                   # a string: Python prints it on stderr and exits with status 1
     assert "\n" not in message and "kalo mira" in message and "data.name_pool()" in message
     assert capsys.readouterr().out == ""
+
+
+def test_a_run_is_evaluated_in_the_context_it_trained_in_unless_told(tmp_path):
+    from eval import run_context
+    (tmp_path / "final").mkdir()
+    assert run_context(None, str(tmp_path / "final")) == "snail"                  # no run config: the default
+    (tmp_path / "config.json").write_text(json.dumps({"mem_mask": "separate", "train_context": "full"}))
+    assert run_context(None, str(tmp_path / "final")) == "full"
+    assert run_context("snail", str(tmp_path / "final")) == "snail"               # --context wins
