@@ -92,15 +92,16 @@ def expert_turns(task: data.Task, tool: SearchTool, forget: bool) -> list[tuple[
 
 def expert_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, mem_prefix: bool = True,
                    system_prompt: str = data.SYSTEM_PROMPT, picked_rounds: set[int] | None = None,
-                   turns: list | None = None) -> list[Sample]:
-    """Rows of one scripted expert episode (``episode_samples`` with the BM25 tool's real results).
+                   turns: list | None = None, context: str = "snail") -> list[Sample]:
+    """Rows of one scripted expert episode (``episode_samples`` with the BM25 tool's real results), in
+    ``context`` (snail or full) as the agent loop would render them.
 
     ``turns``: the episode's ``expert_turns`` when the caller has them (sft_batch shares them with the
     probe rows); else they are made here.
     """
     turns = turns if turns is not None else expert_turns(task, tool, forget)
     return episode_samples(tokenizer, task.question, [(text, res) for text, _, res in turns], system_prompt,
-                           mem_prefix, picked_rounds)
+                           mem_prefix, picked_rounds, context)
 
 
 def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rng: random.Random, p: float,
@@ -163,7 +164,7 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
         forget = rng.random() < cfg.forget_p
         turns = expert_turns(task, tool, forget)                         # searched once for both kinds of row
         out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt, picked_rounds=picked,
-                              turns=turns)
+                              turns=turns, context=cfg.train_context)
         if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay
             probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, system_prompt,
                                     picked_rounds=picked, context=cfg.train_context, think=cfg.probe_think,

@@ -567,3 +567,15 @@ def test_rl_step_with_entry_reward_logs_the_entry_score(sft_run):
     assert 0.0 <= m["entry_score"] <= 1.0 and m["mem_rounds"] > 0
     assert "entry_score" not in train.rl_step(model, None, tok, opt, train.parse_args(RL_ARGS + ["--algo", "mempo"]),
                                               1, train.agent_config(cfg))
+
+
+def test_sft_batch_renders_the_policy_rows_in_the_training_context():
+    """--train-context full: a row's context holds every earlier round's tool result (snail: at most one),
+    and the round it trains on is the same text in both."""
+    tok = data.build_tokenizer()
+    rows = {c: sft.sft_batch(tok, train.parse_args(["--train-context", c, "--sft-objectives", "2", "--sft-batch", "16",
+                                                   "--sft-probe", "0"]), 2000) for c in ("snail", "full")}
+    info = tok.convert_tokens_to_ids("<information>")
+    n_info = {c: [r.ids[:r.n_prompt].count(info) for r in rs] for c, rs in rows.items()}
+    assert max(n_info["snail"]) == 1 and max(n_info["full"]) >= 3
+    assert [r.ids[r.n_prompt:] for r in rows["snail"]] == [r.ids[r.n_prompt:] for r in rows["full"]]
