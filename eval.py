@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 import data
+import sft
 from diagnostics import (mean_ci, memory_diagnostics, p_by_round, print_memory_diagnostics, probe_by_found,
                          report_decisions, report_stop_value)
 from models import gguf_file, load_pretrained, pick_device
@@ -197,9 +198,25 @@ def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, c
     return out
 
 
-def plot_compare(res: dict, folder: str) -> list[str]:
+def expert_peak_tokens(tokenizer, ks: list[int], n: int, split: str, hops: tuple[int, int],
+                       system_prompt: str = data.SYSTEM_PROMPT) -> dict[str, dict[int, float]]:
+    """``{"snail" | "full": {K: mean PT}}``: the peak tokens of a round (context + round, as the agent loop counts
+    them) of the scripted expert's episodes on the same held-out questions, in each context. What a context
+    costs an agent that finishes its episodes, whatever a trained agent learnt; no model runs."""
+    out: dict[str, dict[int, float]] = {"snail": {}, "full": {}}
+    for k in ks:
+        tasks, tool = embedded_tasks(k, n, 0, split, hops)
+        for context in out:
+            peaks = [max(len(s.ids) for s in sft.expert_samples(tokenizer, t, tool, False, system_prompt=system_prompt,
+                                                               context=context)) for t in tasks]
+            out[context][k] = sum(peaks) / len(peaks)
+    return out
+
+
+def plot_compare(res: dict, folder: str, expert_pt: dict | None = None) -> list[str]:
     """PNG plots of a ``compare`` result (needs matplotlib): ``f1_vs_k.png``, F1 vs K beside peak tokens of a
-    round (PT) vs K, and ``retention_vs_ago.png``; the error bars are the 95% intervals over seeds."""
+    round (PT) vs K (with ``expert_pt``: the expert's, dashed), and ``retention_vs_ago.png``; the error bars
+    are the 95% intervals over seeds."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -222,6 +239,9 @@ def plot_compare(res: dict, folder: str) -> list[str]:
                     xs = [k for k in r if k != "by_ago"]
                     ys, es = zip(*(r[k][key] for k in xs))
                 ax.errorbar([str(x) for x in xs], ys, yerr=es, marker="o", capsize=3, label=name)
+            for context, pts in (expert_pt or {}).items() if key == "pt" else ():
+                ax.plot([str(k) for k in pts], list(pts.values()), "--", color="gray",
+                        marker="s" if context == "full" else "^", label=f"expert, {context} context")
             ax.set_xlabel("rounds since the fact was found" if key == "by_ago" else "objectives K")
             ax.set_ylabel(ylabel)
             ax.legend(fontsize=8)
@@ -360,10 +380,14 @@ def compare_runs(args, hops: tuple[int, int], device) -> None:
     variants = dict(v.split("=", 1) for v in args.compare)
     res = compare({k: v.split(",") for k, v in variants.items()}, args.objectives, args.tasks, args.split,
                   args.context, args.max_turns, hops, device)
+    tokenizer = load(next(iter(variants.values())).split(",")[0], device)[1]
+    pt = expert_peak_tokens(tokenizer, args.objectives, args.tasks, args.split, hops)
+    print("\nthe expert's peak tokens of a round (no model): " + "   ".join(
+        f"{c}: " + " ".join(f"K={k} {v:.0f}" for k, v in pts.items()) for c, pts in pt.items()))
     if args.plot:
-        print("plots:", " ".join(plot_compare(res, args.plot)))
+        print("plots:", " ".join(plot_compare(res, args.plot, pt)))
     print(json.dumps({"compare": {n: {str(k): v for k, v in r.items()} for n, r in res.items()},
-                      "split": args.split, "context": args.context}))
+                      "expert_pt": pt, "split": args.split, "context": args.context}))
 
 
 def report_table(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:

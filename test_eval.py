@@ -89,3 +89,18 @@ def test_a_run_is_evaluated_in_the_context_it_trained_in_unless_told(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"mem_mask": "separate", "train_context": "full"}))
     assert run_context(None, str(tmp_path / "final")) == "full"
     assert run_context("snail", str(tmp_path / "final")) == "snail"               # --context wins
+
+
+def test_expert_peak_tokens_count_as_the_agent_loop_does(expert_rollout):
+    """The expert's PT per context equals the PT of the real agent loop writing the expert's rounds; with one
+    1-hop objective both contexts hold the same rounds, with more the full context grows past the snail shell."""
+    from eval import embedded_tasks, expert_peak_tokens
+    tok = data.build_tokenizer()
+    for context in ("snail", "full"):
+        cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=context, max_turns=20, max_new_tokens=80,
+                          temperature=0.0)
+        tasks, tool = embedded_tasks(3, 2, 0, "test", (1, 2))
+        trajs, _ = expert_rollout(tasks, tool, cfg)
+        assert expert_peak_tokens(tok, [3], 2, "test", (1, 2))[context][3] == summarize(trajs)["pt"]
+    one = expert_peak_tokens(tok, [1, 3], 4, "test", (1, 1))
+    assert one["snail"][1] == one["full"][1] and one["full"][3] > one["snail"][3]
