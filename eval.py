@@ -143,6 +143,15 @@ def checkpoint_dir(path: str) -> str:
     return os.path.join(path, "final") if os.path.isdir(os.path.join(path, "final")) else path
 
 
+def is_model_dir(path: str) -> bool:
+    """A folder with a model's ``config.json`` (a run folder's own config.json has no ``model_type``)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return "model_type" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
 def load(path: str, device):
     """(model, tokenizer, system prompt) of a checkpoint (or a model from elsewhere: ``models.load_pretrained``);
     bf16 weights on CUDA (no optimizer to feed)."""
@@ -378,6 +387,9 @@ def held_out_episodes(model, tokenizer, agent: AgentConfig, n: int, seed: int, s
 def compare_runs(args, hops: tuple[int, int], device) -> None:
     """``--compare NAME=RUN[,RUN...]``: the side-by-side tables, plots with ``--plot``, then one JSON line."""
     variants = dict(v.split("=", 1) for v in args.compare)
+    for run in (r for runs in variants.values() for r in runs.split(",")):
+        if os.path.isdir(run) and not is_model_dir(checkpoint_dir(run)):     # before an hour of episodes, not after
+            raise SystemExit(f"--compare: {run} holds no model checkpoint (a run still training has no final/)")
     res = compare({k: v.split(",") for k, v in variants.items()}, args.objectives, args.tasks, args.split,
                   args.context, args.max_turns, hops, device)
     tokenizer = load(next(iter(variants.values())).split(",")[0], device)[1]

@@ -104,3 +104,14 @@ def test_expert_peak_tokens_count_as_the_agent_loop_does(expert_rollout):
         assert expert_peak_tokens(tok, [3], 2, "test", (1, 2))[context][3] == summarize(trajs)["pt"]
     one = expert_peak_tokens(tok, [1, 3], 4, "test", (1, 1))
     assert one["snail"][1] == one["full"][1] and one["full"][3] > one["snail"][3]
+
+
+def test_compare_stops_on_a_run_without_a_checkpoint_before_any_episode(sft_run, tmp_path, capsys):
+    import pytest
+    import eval as ev
+    (tmp_path / "config.json").write_text(json.dumps({"mem_mask": "separate"}))     # a run that has not saved yet
+    with pytest.raises(SystemExit) as stop:
+        ev.main(["--compare", f"a={sft_run}", f"b={sft_run},{tmp_path}", "--device", "cpu", "--objectives", "1"])
+    assert str(tmp_path) in str(stop.value.code) and "\n" not in str(stop.value.code)
+    assert capsys.readouterr().out == ""
+    assert ev.is_model_dir(str(sft_run / "final")) and not ev.is_model_dir(str(tmp_path))
