@@ -253,6 +253,39 @@ def held_out_f1(model, tokenizer, k: int, n: int, seed: int, split: str, system_
     return sum(outcome_reward(t)["f1"] for t in trajs) / len(trajs)
 
 
+def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
+                system_prompt: str = data.SYSTEM_PROMPT) -> list[Sample]:
+    """Rows of a later round whose search found nothing new: the previous round's ``<mem>`` (K entries, some slots
+    filled) carried whole into this round's ``<mem>``.
+
+    The expert's update rounds only ever rewrite a memory of its own K entries; these rows (names and results
+    drawn at random, no world) show a round >= 2 copying a memory of any K in ``objectives``, in the snail
+    context the loop renders (the forced ``<mem>`` prefix without loss)."""
+    rng = random.Random(cfg.seed * 5_000_011 + step)
+    names, prefix = data.name_pool(), tokenizer.encode("<mem>", add_special_tokens=False)
+    out = []
+    for _ in range(n):
+        chains = [[rng.choice(names)] + [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))]
+                  for _ in range(rng.randint(*objectives))]
+        entries = {}
+        for k, chain in enumerate(chains):
+            path = data.open_path(chain)
+            for h in range(rng.randint(0, len(chain) - 1)):           # slots found so far
+                path[2 * h + 2] = rng.choice(names)
+            entries[k] = path
+        mem = data.format_mem(entries)
+        s, r = rng.choice(names), rng.choice(data.RELATIONS)
+        found = " | ".join(f"d{rng.randrange(data.MAX_DOC_IDS)} {rng.choice([x for x in names if x != s])} "
+                           f"{rng.choice(data.RELATIONS)} {rng.choice(names)}" for _ in range(3))  # nothing on s r
+        records = [Record("prompt", data.format_question(chains)),
+                   Record("llm_gen", f"<mem> {mem} </mem> <think> search </think> <search> {s} {r} </search>"),
+                   tool_record("search_results", f"<information> {found} </information>")]
+        ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, 1))
+        out.append(Sample(ctx + prefix + tokenizer.encode(f" {mem} </mem>", add_special_tokens=False),
+                          len(ctx) + len(prefix)))
+    return out
+
+
 def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, ckpt: str,
                system_prompt: str = data.SYSTEM_PROMPT, trajectories: list[dict] | None = None) -> None:
     """MemPO's SFT stage from step ``start``: copy rows, then expert + probe rows (or ``--sft-data`` rows);
@@ -264,10 +297,13 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
         if step < cfg.sft_copy_steps:
             return copy_batch(tokenizer, cfg, step, system_prompt)
         rows = sft_batch(tokenizer, cfg, step, system_prompt)
+        ks = data.int_range(cfg.sft_copy_objectives)
         if cfg.sft_copy_mix > 0:         # copy rows past the expert's K keep round 1 of longer questions trained
-            ks = data.int_range(cfg.sft_copy_objectives)
             rows += copy_batch(tokenizer, cfg, step, system_prompt, round(cfg.sft_copy_mix * cfg.sft_batch),
                                (ks[0], ks[-1]))
+        if cfg.sft_carry_mix > 0:        # and carry rows keep a later round's <mem> of that many entries whole
+            rows += carry_batch(tokenizer, cfg, step, round(cfg.sft_carry_mix * cfg.sft_batch), (ks[0], ks[-1]),
+                                system_prompt)
         return rows
 
     lr = lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)

@@ -104,6 +104,8 @@ class Config:
     # copy rows past the expert's K keep round 1 of longer questions right (results/STUDIES.md, the horizon)
     sft_copy_mix: float = flag(0.0, "after the warm-up, copy rows added to every SFT batch, as a share of --sft-batch")
     sft_copy_objectives: str = flag("1-6", "objective counts K of those copy rows")
+    sft_carry_mix: float = flag(0.0, "after the warm-up, rows of a round >= 2 that found nothing new and carries its "
+                                     "<mem> of --sft-copy-objectives entries whole, as a share of --sft-batch")
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
     forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw")
     sft_objectives: str = flag("1-4", "objective counts K of SFT questions, e.g. 1-10")
