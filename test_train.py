@@ -17,6 +17,7 @@ import reward
 import rollout
 import sft
 import train
+from memory import extract_mem
 from rollout import AgentConfig
 from search import SearchTool
 
@@ -579,3 +580,20 @@ def test_sft_batch_renders_the_policy_rows_in_the_training_context():
     n_info = {c: [r.ids[:r.n_prompt].count(info) for r in rs] for c, rs in rows.items()}
     assert max(n_info["snail"]) == 1 and max(n_info["full"]) >= 3
     assert [r.ids[r.n_prompt:] for r in rows["snail"]] == [r.ids[r.n_prompt:] for r in rows["full"]]
+
+
+def test_carry_rows_copy_the_previous_memory_whole_after_a_search_that_found_nothing():
+    tok = data.build_tokenizer()
+    cfg = train.parse_args(["--sft-carry-mix", "0.25"])
+    rows = sft.carry_batch(tok, cfg, 900, 200, (3, 6))
+    counts = set()
+    for r in rows:
+        context, target = tok.decode(r.ids[:r.n_prompt]), tok.decode(r.ids[r.n_prompt:])
+        assert context.endswith("<mem>") and target.endswith("</mem>")     # the forced prefix carries no loss
+        previous = extract_mem(context.split("<|assistant|>")[-2].strip())
+        assert target.replace("</mem>", "").strip() == previous                # carried whole
+        counts.add(len(previous.split(";")))
+        query = context.split("<search>")[-1].split("</search>")[0].split()
+        found = context.split("<information>")[-1].split("</information>")[0].split("|")
+        assert all(doc.split()[1] != query[0] for doc in found)              # nothing on the searched entity
+    assert counts == {3, 4, 5, 6}
