@@ -172,6 +172,13 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
     return out[: cfg.sft_batch] + probes
 
 
+def random_chains(rng: random.Random, names: list[str], objectives: tuple[int, int]) -> list[list[str]]:
+    """A question's chains for a copy or carry row: K in ``objectives``, each a random name and 1-3 relations (no
+    world behind them: these rows teach copying, not facts)."""
+    return [[rng.choice(names)] + [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))]
+            for _ in range(rng.randint(*objectives))]
+
+
 # K of the warm-up's questions: on 1-8 from the start the 3-layer model never leaves the copy plateau
 COPY_WARMUP_OBJECTIVES = (1, 4)
 
@@ -190,8 +197,7 @@ def copy_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMP
     names = data.name_pool()
     out = []
     for _ in range(cfg.sft_batch if n is None else n):
-        chains = [[rng.choice(names)] + [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))]
-                  for _ in range(rng.randint(*objectives))]
+        chains = random_chains(rng, names, objectives)
         question = data.format_question(chains)
         ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], system_prompt))
         mem = data.format_mem({k: data.open_path(c) for k, c in enumerate(chains)})
@@ -265,8 +271,7 @@ def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
     names, prefix = data.name_pool(), tokenizer.encode("<mem>", add_special_tokens=False)
     out = []
     for _ in range(n):
-        chains = [[rng.choice(names)] + [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))]
-                  for _ in range(rng.randint(*objectives))]
+        chains = random_chains(rng, names, objectives)
         entries = {}
         for k, chain in enumerate(chains):
             path = data.open_path(chain)
