@@ -510,15 +510,18 @@ def test_group_stats_and_zero_variance_metrics():
     outs = [{"score": s, "em": s, "f1": s, "valid": 1.0} for s in (1.0, 1.0, 0.0, 0.0, 1.0, 0.0)]
     mem = {"rewards": [[0.1, 0.0], [0.3], [0.2], [0.2], [0.4], [0.5]]}
     gids = [0, 0, 1, 1, 2, 2]
-    stats = train.group_stats(outs, mem, gids)
-    assert stats == [(True, True), (True, False), (False, True)]
-    assert train.group_stats(outs, None, gids) == [(True, False), (True, False), (False, False)]
-    v = {"outs": outs, "turns": [1] * 6, "tokens": [10], "early": [], "k": [2, 2, 3, 3, 1, 1], "groups": stats,
+    ks = [2, 2, 3, 3, 1, 1]
+    stats = train.group_stats(outs, mem, gids, ks)
+    assert stats == [(True, True, 2), (True, False, 3), (False, True, 1)]
+    assert train.group_stats(outs, None, gids, ks) == [(True, False, 2), (True, False, 3), (False, False, 1)]
+    v = {"outs": outs, "turns": [1] * 6, "tokens": [10], "early": [], "k": ks, "groups": stats,
          "search_failures": [0]}
     m = train.step_metrics(v)
     assert m["zero_var_frac"] == pytest.approx(2 / 3)
     assert m["zero_var_mem_frac"] == pytest.approx(1 / 3)
     assert (m["score_k1"], m["score_k2"], m["score_k3"]) == (0.5, 1.0, 0.0)
+    assert (m["zero_var_k1"], m["zero_var_k2"], m["zero_var_k3"]) == (0.0, 1.0, 1.0)       # per K, as above
+    assert (m["zero_var_mem_k1"], m["zero_var_mem_k2"], m["zero_var_mem_k3"]) == (0.0, 1.0, 0.0)
 
 
 def test_copy_rows_count_their_entries():

@@ -275,7 +275,8 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
          "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
          "early": [e for e in (early_answer(t) for t in trajs) if e is not None],
-         "k": [len(t.golds) for t in trajs], "groups": group_stats(outs, mem, group_ids)}
+         "k": [len(t.golds) for t in trajs],
+         "groups": group_stats(outs, mem, group_ids, [len(t.golds) for t in trajs])}
     if mem is not None:
         # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
         v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
@@ -287,8 +288,9 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
     return v
 
 
-def group_stats(outs: list[dict], mem: dict | None, group_ids: list[int]) -> list[tuple[bool, bool]]:
-    """Per group: (every rollout scored the same, its memory rewards still differ).
+def group_stats(outs: list[dict], mem: dict | None, group_ids: list[int],
+                ks: list[int]) -> list[tuple[bool, bool, int]]:
+    """Per group: (every rollout scored the same, its memory rewards still differ, its objective count K).
 
     A group of equal scores gets outcome advantage 0 on every token (GRPO learns nothing from it); its
     memory rewards, where they differ, are the only signal MemPO has there."""
@@ -299,7 +301,7 @@ def group_stats(outs: list[dict], mem: dict | None, group_ids: list[int]) -> lis
     for idx in members.values():
         flat = {outs[i]["score"] for i in idx}
         rewards = {x for i in idx for x in mem["rewards"][i]} if mem is not None else set()
-        stats.append((len(flat) == 1, len(rewards) > 1))
+        stats.append((len(flat) == 1, len(rewards) > 1, ks[idx[0]]))
     return stats
 
 
@@ -312,10 +314,12 @@ def step_metrics(v: dict[str, list]) -> dict:
              valid=sum(o["valid"] for o in outs) / len(outs), turns=sum(v["turns"]) / len(v["turns"]),
              tokens=sum(v["tokens"]), search_failures=sum(v["search_failures"]))
     groups = v["groups"]
-    m["zero_var_frac"] = sum(z for z, _ in groups) / len(groups)
-    m["zero_var_mem_frac"] = sum(z and d for z, d in groups) / len(groups)    # where only the memory reward ranks
+    m["zero_var_frac"] = sum(z for z, _, _ in groups) / len(groups)
+    m["zero_var_mem_frac"] = sum(z and d for z, d, _ in groups) / len(groups)   # where only the memory reward ranks
     for k in sorted(set(v["k"])):                                              # score per objective count K
         m[f"score_k{k}"] = mean([o["score"] for o, kk in zip(outs, v["k"]) if kk == k])
+        m[f"zero_var_k{k}"] = mean([z for z, _, kk in groups if kk == k])
+        m[f"zero_var_mem_k{k}"] = mean([z and d for z, d, kk in groups if kk == k])
     if v["early"]:                      # embedded world: answered after fewer searches than the question's hops
         m["early_frac"] = sum(v["early"]) / len(v["early"])
     if "mem" in v:
