@@ -76,7 +76,27 @@ def memory_diagnostics(trajs: list, tasks: list) -> dict:
     return {"retention": ratio([sum(v[0] for v in kept.values()), sum(v[1] for v in kept.values())]),
             "retention_by_ago": {f"{a}-{b}": ratio(v) for (a, b), v in kept.items()},
             "retention_drift": {k: ratio(v) for k, v in drift.items()},
-            "faithfulness": ratio(faithful), "mem_entries": faithful[1]}
+            "faithfulness": ratio(faithful), "mem_entries": faithful[1], "first_update": first_update(trajs, tasks)}
+
+
+def first_update(trajs: list, tasks: list) -> dict:
+    """The first memory update, round 2's ``<mem>``: the share of episodes by how many entries it writes
+    (``"none"``: the episode ended in round 1), and the share whose every objective's entry is right
+    (``data.mem_entry_score`` 1).
+
+    Round 1 copies the question; round 2 is the first rewrite, and past the expert's largest K it is where
+    an agent breaks, by writing the entry count it was taught. On sampled episodes ``all_right`` is what RL
+    has to reinforce there: an update it never samples right, the outcome never pays.
+    """
+    counts: dict[str, int] = {}
+    right = 0
+    for traj in trajs:
+        mem = (extract_mem(traj.rounds[1].text) or "") if len(traj.rounds) > 1 else None
+        key = "none" if mem is None else str(len(data.parse_mem(mem)))
+        counts[key] = counts.get(key, 0) + 1
+        right += mem is not None and data.mem_entry_score(tasks[traj.group_id], mem) == 1.0
+    n = max(len(trajs), 1)
+    return {"entries": {c: v / n for c, v in sorted(counts.items())}, "all_right": right / n}
 
 def _has_fact(text: str, fact: tuple[str, str, str]) -> bool:
     return f" {' '.join(fact)} " in f" {text} "
@@ -336,6 +356,11 @@ def print_memory_diagnostics(k: int, d: dict, probe_temperature: float, think: s
     print(f"K={k}: retention {d['retention']:.3f}  faithfulness {d['faithfulness']:.3f}  "
           f"by rounds-ago {json.dumps({a: round(v, 3) for a, v in d['retention_by_ago'].items()})}  "
           f"drift {json.dumps({a: round(v, 3) for a, v in d['retention_drift'].items()})}")
+    for name, label in (("first_update", "greedy"), ("first_update_sampled", f"T={probe_temperature}")):
+        if name in d:
+            fu = d[name]
+            print(f"      round 2's <mem> ({label}): all entries right {fu['all_right']:.3f}, share by entry count "
+                  + json.dumps({c: round(v, 3) for c, v in fu["entries"].items()}))
     print("      P_full / P_mem by round: " + "  ".join(
         f"{r}: {v['p_full']:.2f}/{v['p_mem']:.2f}" for r, v in d["p_by_round"].items()))
     pr = d["probe"]

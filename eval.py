@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 import data
 import sft
-from diagnostics import (mean_ci, memory_diagnostics, p_by_round, print_memory_diagnostics, probe_by_found,
-                         report_decisions, report_stop_value)
+from diagnostics import (first_update, mean_ci, memory_diagnostics, p_by_round, print_memory_diagnostics,
+                         probe_by_found, report_decisions, report_stop_value)
 from models import gguf_file, load_pretrained, pick_device
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, run_episodes
@@ -283,6 +283,7 @@ def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int
         torch.manual_seed(k)
         strajs = run_episodes(model, tokenizer, tasks, tool, sampled)
         out[k]["probe"] = probe_by_found(model, tokenizer, strajs, tasks, threshold, mask_mode, think)
+        out[k]["first_update_sampled"] = first_update(strajs, tasks)
         print_memory_diagnostics(k, out[k], probe_temperature, think)
     return out
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import data
-from diagnostics import memory_diagnostics
+from diagnostics import first_update, memory_diagnostics
 from eval import summarize
 from memory import Record, tool_record
 from rollout import AgentConfig, Round, Trajectory, parse_action
@@ -47,6 +47,21 @@ def test_forgetting_expert_loses_old_entities_not_new_ones():
     assert d["faithfulness"] == 1.0                     # forgetting is not inventing
     s = summarize(trajs)
     assert abs(s["score"] - 0.25) < 1e-9 and s["em"] == 0.0   # only the last of 4 objectives answered
+
+
+def test_first_update_counts_round_two_entries_and_checks_them():
+    """The expert's round 2 writes all K entries right; merging two entries into one, or ending in round 1,
+    shows as what it is."""
+    world, tasks = data.make_tasks(34, 6, [3], (1, 2))
+    tool = SearchTool(world.docs)
+    trajs = [replay(t, tool, i) for i, t in enumerate(tasks)]
+    assert first_update(trajs, tasks) == {"entries": {"3": 1.0}, "all_right": 1.0}
+    r = trajs[0].rounds[1]                                      # round 2 merges objectives 2 and 3
+    merged = r.text.split(" ; 3 =")[0] + " </mem>" + r.text.split("</mem>", 1)[1]
+    trajs[0].rounds[1] = Round(r.context_ids, r.prefix_ids, r.output_ids, merged, 0, r.action)
+    trajs[1].rounds = trajs[1].rounds[:1]                       # ended in round 1
+    d = memory_diagnostics(trajs, tasks)["first_update"]
+    assert d == {"entries": {"2": 1 / 6, "3": 4 / 6, "none": 1 / 6}, "all_right": 4 / 6}
 
 
 def test_invented_memory_is_unfaithful():
