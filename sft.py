@@ -183,9 +183,29 @@ def random_chains(rng: random.Random, names: list[str], objectives: tuple[int, i
 COPY_WARMUP_OBJECTIVES = (1, 4)
 
 
+def first_open_pair(entries: dict[int, list[str]]) -> tuple[str, str] | None:
+    """The expert's next search from its ``<mem>`` entries: the pair before the first open slot, in objective
+    order (None when every entry is finished). It reads the same for any number of entries."""
+    for k in sorted(entries):
+        if data.SLOT in entries[k]:
+            j = entries[k].index(data.SLOT)
+            return entries[k][j - 2], entries[k][j - 1]
+    return None
+
+
+def round_action(entries: dict[int, list[str]]) -> str:
+    """What follows ``</mem>`` in the expert's round with these entries (``--sft-row-action``): the search of
+    ``first_open_pair``, or with every entry finished the answer, each entry's last word."""
+    pair = first_open_pair(entries)
+    if pair is None:
+        return f" <think> answer </think> <answer> {' ; '.join(entries[k][-1] for k in sorted(entries))} </answer>"
+    return f" <think> search </think> <search> {pair[0]} {pair[1]} </search>"
+
+
 def copy_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT, n: int | None = None,
-               objectives: tuple[int, int] = COPY_WARMUP_OBJECTIVES) -> list[Sample]:
-    """Warm-up rows: a random question -> its objectives copied as ``<mem>`` entries.
+               objectives: tuple[int, int] = COPY_WARMUP_OBJECTIVES, action: bool = False) -> list[Sample]:
+    """Warm-up rows: a random question -> its objectives copied as ``<mem>`` entries (with ``action``, then the
+    round's search, ``round_action``).
 
     A tiny model learns to copy a name from its context only after a long loss plateau. On these
     short rows the default 3-layer model sat at loss 0.46 until step ~650 and copied exactly (loss
@@ -200,8 +220,9 @@ def copy_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMP
         chains = random_chains(rng, names, objectives)
         question = data.format_question(chains)
         ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], system_prompt))
-        mem = data.format_mem({k: data.open_path(c) for k, c in enumerate(chains)})
-        out.append(Sample(ctx + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False), len(ctx)))
+        entries = {k: data.open_path(c) for k, c in enumerate(chains)}
+        text = f"<mem> {data.format_mem(entries)} </mem>" + (round_action(entries) if action else "")
+        out.append(Sample(ctx + tokenizer.encode(text, add_special_tokens=False), len(ctx)))
     return out
 
 
@@ -260,13 +281,14 @@ def held_out_f1(model, tokenizer, k: int, n: int, seed: int, split: str, system_
 
 
 def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
-                system_prompt: str = data.SYSTEM_PROMPT) -> list[Sample]:
+                system_prompt: str = data.SYSTEM_PROMPT, action: bool = False) -> list[Sample]:
     """Rows of a later round whose search found nothing new: the previous round's ``<mem>`` (K entries, some slots
     filled) carried whole into this round's ``<mem>``.
 
     The expert's update rounds only ever rewrite a memory of its own K entries; these rows (names and results
     drawn at random, no world) show a round >= 2 copying a memory of any K in ``objectives``, in the snail
-    context the loop renders (the forced ``<mem>`` prefix without loss)."""
+    context the loop renders (the forced ``<mem>`` prefix without loss). With ``action`` the row goes on to
+    the round's search (``round_action``)."""
     rng = random.Random(cfg.seed * 5_000_011 + step)
     names, prefix = data.name_pool(), tokenizer.encode("<mem>", add_special_tokens=False)
     out = []
@@ -286,8 +308,8 @@ def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
                    Record("llm_gen", f"<mem> {mem} </mem> <think> search </think> <search> {s} {r} </search>"),
                    tool_record("search_results", f"<information> {found} </information>")]
         ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, 1))
-        out.append(Sample(ctx + prefix + tokenizer.encode(f" {mem} </mem>", add_special_tokens=False),
-                          len(ctx) + len(prefix)))
+        text = f" {mem} </mem>" + (round_action(entries) if action else "")
+        out.append(Sample(ctx + prefix + tokenizer.encode(text, add_special_tokens=False), len(ctx) + len(prefix)))
     return out
 
 
@@ -305,10 +327,10 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
         ks = data.int_range(cfg.sft_copy_objectives)
         if cfg.sft_copy_mix > 0:         # copy rows past the expert's K keep round 1 of longer questions trained
             rows += copy_batch(tokenizer, cfg, step, system_prompt, round(cfg.sft_copy_mix * cfg.sft_batch),
-                               (ks[0], ks[-1]))
+                               (ks[0], ks[-1]), cfg.sft_row_action)
         if cfg.sft_carry_mix > 0:        # and carry rows keep a later round's <mem> of that many entries whole
             rows += carry_batch(tokenizer, cfg, step, round(cfg.sft_carry_mix * cfg.sft_batch), (ks[0], ks[-1]),
-                                system_prompt)
+                                system_prompt, cfg.sft_row_action)
         return rows
 
     lr = lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)

@@ -600,3 +600,42 @@ def test_carry_rows_copy_the_previous_memory_whole_after_a_search_that_found_not
         found = context.split("<information>")[-1].split("</information>")[0].split("|")
         assert all(doc.split()[1] != query[0] for doc in found)              # nothing on the searched entity
     assert counts == {3, 4, 5, 6}
+
+
+def test_first_open_pair_is_the_experts_next_search():
+    """On every search round of the expert's episodes (K 1-6, 1-3 hops), the pair before the first open slot of
+    that round's <mem> is the pair it searches."""
+    world, tasks = data.make_tasks(41, 60, [1, 2, 3, 4, 5, 6], (1, 3))
+    n = 0
+    for task in tasks:
+        for text, query in data.expert_episode(task):
+            entries = data.parse_mem(extract_mem(text))
+            if query is not None:
+                assert sft.first_open_pair(entries) == query
+                n += 1
+            else:
+                assert sft.first_open_pair(entries) is None                    # every entry finished: it answers
+    assert n > 200
+
+
+def test_row_action_rows_go_on_to_the_rounds_search():
+    """--sft-row-action: copy and carry rows end with the round's action, read from the row's own <mem> (as the
+    expert's: data.expert_episode's last round answers each entry's last word)."""
+    tok = data.build_tokenizer()
+    cfg = train.parse_args(["--sft-row-action"])
+    rows = sft.copy_batch(tok, cfg, 900, n=100, objectives=(3, 6), action=True)
+    rows += sft.carry_batch(tok, cfg, 900, 100, (3, 6), action=True)
+    for r in rows:
+        target = tok.decode(r.ids[r.n_prompt:])
+        mem, rest = target.split("</mem>")
+        entries = data.parse_mem(mem.replace("<mem>", ""))
+        pair = sft.first_open_pair(entries)
+        if pair is None:                                                    # a carried memory, every entry finished
+            answers = " ; ".join(entries[k][-1] for k in sorted(entries))
+            assert rest.strip() == f"<think> answer </think> <answer> {answers} </answer>"
+        else:
+            assert rest.strip() == f"<think> search </think> <search> {pair[0]} {pair[1]} </search>"
+        assert len(entries) >= 3
+    plain = sft.copy_batch(tok, cfg, 900, n=100, objectives=(3, 6))          # the same draws, cut at </mem>
+    assert [tok.decode(p.ids).split("</mem>")[0] for p in plain] == [tok.decode(r.ids).split("</mem>")[0]
+                                                                    for r in rows[:100]]
