@@ -225,6 +225,16 @@ def expert_episode(task: Task, forget: bool = False) -> list[tuple[str, tuple[st
     return rounds
 
 
+def first_open_pair(entries: dict[int, list[str]]) -> tuple[str, str] | None:
+    """The expert's next search from its ``<mem>`` entries: the pair before the first open slot, in objective
+    order (None when every entry is finished). It reads the same for any number of entries."""
+    for k in sorted(entries):
+        if SLOT in entries[k]:
+            j = entries[k].index(SLOT)
+            return entries[k][j - 2], entries[k][j - 1]
+    return None
+
+
 def parse_mem(mem: str) -> dict[int, list[str]]:
     """``1 = a r b ; 2 = c r`` -> ``{0: ["a", "r", "b"], 1: ["c", "r"]}`` (objective index -> path)."""
     entries = {}

@@ -81,12 +81,14 @@ def memory_diagnostics(trajs: list, tasks: list) -> dict:
 
 def first_update(trajs: list, tasks: list) -> dict:
     """The first memory update, round 2's ``<mem>``: the share of episodes by how many entries it writes
-    (``"none"``: the episode ended in round 1), and the share whose every objective's entry is right
-    (``data.mem_entry_score`` 1).
+    (``"none"``: the episode ended in round 1), and the share where it is exactly the expert's update after the
+    episode's own round 1: the question's paths, with the first slot filled wherever round 1 searched an
+    objective's first pair and its result showed the fact.
 
     Round 1 copies the question; round 2 is the first rewrite, and past the expert's largest K it is where
-    an agent breaks, by writing the entry count it was taught. On sampled episodes ``all_right`` is what RL
-    has to reinforce there: an update it never samples right, the outcome never pays.
+    an agent breaks, by writing the entry count it was taught, or by copying the memory without the fact it
+    found. On sampled episodes ``all_right`` is what RL has to reinforce there: an update it never samples
+    right, the outcome never pays.
     """
     counts: dict[str, int] = {}
     right = 0
@@ -94,12 +96,17 @@ def first_update(trajs: list, tasks: list) -> dict:
         mem = (extract_mem(traj.rounds[1].text) or "") if len(traj.rounds) > 1 else None
         key = "none" if mem is None else str(len(data.parse_mem(mem)))
         counts[key] = counts.get(key, 0) + 1
-        right += mem is not None and data.mem_entry_score(tasks[traj.group_id], mem) == 1.0
+        if mem is not None:
+            task, tools = tasks[traj.group_id], [r.text for r in traj.records if r.type == "search_results"]
+            kind, body = parse_action(traj.rounds[0].text)
+            expected = {k: data.open_path([o.start] + o.relations) for k, o in enumerate(task.objectives)}
+            for k, obj in enumerate(task.objectives):
+                s, r, o = obj.chain[0]
+                if kind == "search" and body.split() == [s, r] and tools and " ".join((s, r, o)) in tools[0]:
+                    expected[k][2] = o
+            right += data.parse_mem(mem) == expected
     n = max(len(trajs), 1)
     return {"entries": {c: v / n for c, v in sorted(counts.items())}, "all_right": right / n}
-
-def _has_fact(text: str, fact: tuple[str, str, str]) -> bool:
-    return f" {' '.join(fact)} " in f" {text} "
 
 
 def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float = THRESHOLD,

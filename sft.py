@@ -183,20 +183,10 @@ def random_chains(rng: random.Random, names: list[str], objectives: tuple[int, i
 COPY_WARMUP_OBJECTIVES = (1, 4)
 
 
-def first_open_pair(entries: dict[int, list[str]]) -> tuple[str, str] | None:
-    """The expert's next search from its ``<mem>`` entries: the pair before the first open slot, in objective
-    order (None when every entry is finished). It reads the same for any number of entries."""
-    for k in sorted(entries):
-        if data.SLOT in entries[k]:
-            j = entries[k].index(data.SLOT)
-            return entries[k][j - 2], entries[k][j - 1]
-    return None
-
-
 def round_action(entries: dict[int, list[str]]) -> str:
     """What follows ``</mem>`` in the expert's round with these entries (``--sft-row-action``): the search of
-    ``first_open_pair``, or with every entry finished the answer, each entry's last word."""
-    pair = first_open_pair(entries)
+    ``data.first_open_pair``, or with every entry finished the answer, each entry's last word."""
+    pair = data.first_open_pair(entries)
     if pair is None:
         return f" <think> answer </think> <answer> {' ; '.join(entries[k][-1] for k in sorted(entries))} </answer>"
     return f" <think> search </think> <search> {pair[0]} {pair[1]} </search>"

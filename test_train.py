@@ -611,10 +611,10 @@ def test_first_open_pair_is_the_experts_next_search():
         for text, query in data.expert_episode(task):
             entries = data.parse_mem(extract_mem(text))
             if query is not None:
-                assert sft.first_open_pair(entries) == query
+                assert data.first_open_pair(entries) == query
                 n += 1
             else:
-                assert sft.first_open_pair(entries) is None                    # every entry finished: it answers
+                assert data.first_open_pair(entries) is None                    # every entry finished: it answers
     assert n > 200
 
 
@@ -629,7 +629,7 @@ def test_row_action_rows_go_on_to_the_rounds_search():
         target = tok.decode(r.ids[r.n_prompt:])
         mem, rest = target.split("</mem>")
         entries = data.parse_mem(mem.replace("<mem>", ""))
-        pair = sft.first_open_pair(entries)
+        pair = data.first_open_pair(entries)
         if pair is None:                                                    # a carried memory, every entry finished
             answers = " ; ".join(entries[k][-1] for k in sorted(entries))
             assert rest.strip() == f"<think> answer </think> <answer> {answers} </answer>"
