@@ -271,15 +271,16 @@ def held_out_f1(model, tokenizer, k: int, n: int, seed: int, split: str, system_
 
 
 def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
-                system_prompt: str = data.SYSTEM_PROMPT, action: bool = False) -> list[Sample]:
+                system_prompt: str = data.SYSTEM_PROMPT, action: bool = False, fill: bool = False) -> list[Sample]:
     """Rows of a later round whose search found nothing new: the previous round's ``<mem>`` (K entries, some slots
-    filled) carried whole into this round's ``<mem>``.
+    filled) carried whole into this round's ``<mem>``. With ``fill`` the previous round searched its memory's
+    next pair (``data.first_open_pair``) and the result shows the fact: this round fills that one slot.
 
     The expert's update rounds only ever rewrite a memory of its own K entries; these rows (names and results
     drawn at random, no world) show a round >= 2 copying a memory of any K in ``objectives``, in the snail
     context the loop renders (the forced ``<mem>`` prefix without loss). With ``action`` the row goes on to
     the round's search (``round_action``)."""
-    rng = random.Random(cfg.seed * 5_000_011 + step)
+    rng = random.Random(cfg.seed * 5_000_011 + step + (7_919_000 if fill else 0))
     names, prefix = data.name_pool(), tokenizer.encode("<mem>", add_special_tokens=False)
     out = []
     for _ in range(n):
@@ -290,15 +291,23 @@ def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
             for h in range(rng.randint(0, len(chain) - 1)):           # slots found so far
                 path[2 * h + 2] = rng.choice(names)
             entries[k] = path
+        if fill and data.first_open_pair(entries) is None:
+            entries[len(entries) - 1][-1] = data.SLOT                  # keep one slot open to fill
         mem = data.format_mem(entries)
-        s, r = rng.choice(names), rng.choice(data.RELATIONS)
-        found = " | ".join(f"d{rng.randrange(data.MAX_DOC_IDS)} {rng.choice([x for x in names if x != s])} "
-                           f"{rng.choice(data.RELATIONS)} {rng.choice(names)}" for _ in range(3))  # nothing on s r
+        s, r = data.first_open_pair(entries) if fill else (rng.choice(names), rng.choice(data.RELATIONS))
+        docs = [f"d{rng.randrange(data.MAX_DOC_IDS)} {rng.choice([x for x in names if x != s])} "
+                f"{rng.choice(data.RELATIONS)} {rng.choice(names)}" for _ in range(3)]  # nothing on s r
+        new = {k: list(path) for k, path in entries.items()}
+        if fill:
+            o = rng.choice(names)
+            docs[rng.randrange(3)] = f"d{rng.randrange(data.MAX_DOC_IDS)} {s} {r} {o}"
+            k = next(k for k in sorted(new) if data.SLOT in new[k])
+            new[k][new[k].index(data.SLOT)] = o
         records = [Record("prompt", data.format_question(chains)),
                    Record("llm_gen", f"<mem> {mem} </mem> <think> search </think> <search> {s} {r} </search>"),
-                   tool_record("search_results", f"<information> {found} </information>")]
+                   tool_record("search_results", f"<information> {' | '.join(docs)} </information>")]
         ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, 1))
-        text = f" {mem} </mem>" + (round_action(entries) if action else "")
+        text = f" {data.format_mem(new)} </mem>" + (round_action(new) if action else "")
         out.append(Sample(ctx + prefix + tokenizer.encode(text, add_special_tokens=False), len(ctx) + len(prefix)))
     return out
 
@@ -321,6 +330,9 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
         if cfg.sft_carry_mix > 0:        # and carry rows keep a later round's <mem> of that many entries whole
             rows += carry_batch(tokenizer, cfg, step, round(cfg.sft_carry_mix * cfg.sft_batch), (ks[0], ks[-1]),
                                 system_prompt, cfg.sft_row_action)
+        if cfg.sft_fill_mix > 0:         # and fill rows a later round's update of that many entries
+            rows += carry_batch(tokenizer, cfg, step, round(cfg.sft_fill_mix * cfg.sft_batch), (ks[0], ks[-1]),
+                                system_prompt, cfg.sft_row_action, fill=True)
         return rows
 
     lr = lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)

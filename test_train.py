@@ -639,3 +639,25 @@ def test_row_action_rows_go_on_to_the_rounds_search():
     plain = sft.copy_batch(tok, cfg, 900, n=100, objectives=(3, 6))          # the same draws, cut at </mem>
     assert [tok.decode(p.ids).split("</mem>")[0] for p in plain] == [tok.decode(r.ids).split("</mem>")[0]
                                                                     for r in rows[:100]]
+
+
+def test_fill_rows_fill_the_slot_their_search_found_and_nothing_else():
+    tok = data.build_tokenizer()
+    cfg = train.parse_args(["--sft-fill-mix", "0.25", "--sft-row-action"])
+    counts = set()
+    for r in sft.carry_batch(tok, cfg, 900, 200, (3, 6), action=True, fill=True):
+        context, target = tok.decode(r.ids[:r.n_prompt]), tok.decode(r.ids[r.n_prompt:])
+        previous = data.parse_mem(extract_mem(context.split("<|assistant|>")[-2].strip()))
+        query = context.split("<search>")[-1].split("</search>")[0].split()
+        assert tuple(query) == data.first_open_pair(previous)                  # it searched its next pair
+        docs = context.split("<information>")[-1].split("</information>")[0].split("|")
+        facts = [d.split()[1:] for d in docs if d.split()[1:3] == query]
+        assert len(facts) == 1                                                 # ... and the result shows it
+        new = data.parse_mem(target.split("</mem>")[0])
+        k = next(k for k in sorted(previous) if data.SLOT in previous[k])
+        j = previous[k].index(data.SLOT)
+        assert new[k][j] == facts[0][2] and new[k][:j] + new[k][j + 1:] == previous[k][:j] + previous[k][j + 1:]
+        assert {i: p for i, p in new.items() if i != k} == {i: p for i, p in previous.items() if i != k}
+        assert target.split("</mem>")[1].strip() == sft.round_action(new).strip()
+        counts.add(len(new))
+    assert counts == {3, 4, 5, 6}

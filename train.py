@@ -106,6 +106,8 @@ class Config:
     sft_copy_objectives: str = flag("1-6", "objective counts K of those copy rows")
     sft_carry_mix: float = flag(0.0, "after the warm-up, rows of a round >= 2 that found nothing new and carries its "
                                      "<mem> of --sft-copy-objectives entries whole, as a share of --sft-batch")
+    sft_fill_mix: float = flag(0.0, "after the warm-up, rows of a round >= 2 whose search found its <mem>'s next fact "
+                                    "and that fills it in, --sft-copy-objectives entries, as a share of --sft-batch")
     sft_row_action: bool = flag(False, "those copy and carry rows go on past </mem> to the round's search (the pair "
                                        "before the first open slot, as the expert's round at any K)")
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
