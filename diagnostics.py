@@ -109,6 +109,10 @@ def first_update(trajs: list, tasks: list) -> dict:
     return {"entries": {c: v / n for c, v in sorted(counts.items())}, "all_right": right / n}
 
 
+def _has_fact(text: str, fact: tuple[str, str, str]) -> bool:
+    return f" {' '.join(fact)} " in f" {text} "
+
+
 def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float = THRESHOLD,
                    mask_mode: str = MEM_MASK, think: str = PROBE_THINK, context: str = "snail") -> dict:
     """The memory reward's two probes where the answer is known, on embedded-world trajectories.
