@@ -163,7 +163,8 @@ def load(path: str, device):
 
 def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, context: str | None,
             max_turns: int, hops: tuple[int, int], device) -> dict:
-    """Per variant (a list of runs, one per seed) and K: mean and 95% interval of each metric.
+    """Per variant (a list of runs, one per seed) and K: mean and 95% interval of each metric, and each run's F1
+    (``f1_runs``, in the order given: a gap between two variants trained from the same starts can be paired).
 
     Each run plays in ``context``, or when None in the context it trained in (``run_context``), so a
     memory agent and a full-context agent share one table.
@@ -190,7 +191,8 @@ def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, c
             res["by_ago"] = memory_diagnostics(trajs_all, tasks_all)["retention_by_ago"]
             per_run.append(res)
         nan_free = lambda xs: [x for x in xs if x == x] or [float("nan")]
-        out[name] = {k: {m: mean_ci(nan_free([r[k][m] for r in per_run])) for m in metrics} for k in ks}
+        out[name] = {k: {m: mean_ci(nan_free([r[k][m] for r in per_run])) for m in metrics}
+                        | {"f1_runs": [r[k]["f1"] for r in per_run]} for k in ks}    # per seed, for paired gaps
         out[name]["by_ago"] = {a: mean_ci(nan_free([r["by_ago"][a] for r in per_run])) for a in per_run[0]["by_ago"]}
     for k in ks:
         print(f"\nK = {k}  ({split} worlds, {n} questions, context={context or 'as trained'}, "

@@ -29,6 +29,7 @@ def test_compare_two_variants_over_seeds_and_plots(sft_run, tmp_path):
     tasks, tool = embedded_tasks(2, 3, 0, "valid", (1, 1))
     trajs = run_episodes(model, tok, tasks, tool, greedy_agent("snail", 6))
     assert f1 == summarize(trajs)["f1"]                   # the value, computed without compare()
+    assert res["a"][2]["f1_runs"] == [f1, f1] and res["b"][2]["f1_runs"] == [f1]
     ret = memory_diagnostics(trajs, tasks)["retention"]
     got = res["a"][2]["retention"][0]
     assert got == ret or (ret != ret and got != got)      # nan (no entity was needed yet) on both sides
