@@ -467,9 +467,11 @@ def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():
         assert tok.decode(mem.ids[:mem.n_prompt]).endswith(f"<mem> {extract_mem(ep[t][0])} </mem> <think> probe </think> <answer>")
     assert sft.probe_samples(tok, task, tool, True, _random.Random(0), 0.0) == []
     # on top of the batch: the policy rows of a step are the same count with or without probe rows
-    cfg = train.parse_args(["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16"])
+    plain = ["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16", "--sft-copy-mix", "0",
+             "--sft-fill-mix", "0"]
+    cfg = train.parse_args(plain)
     assert len(sft.sft_batch(tok, cfg, 99)) > 16
-    cfg0 = train.parse_args(["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16", "--sft-probe", "0"])
+    cfg0 = train.parse_args(plain + ["--sft-probe", "0"])
     assert len(sft.sft_batch(tok, cfg0, 99)) == 16
 
 

@@ -92,9 +92,10 @@ class MemAlphaConfig(train.Config):
     facts_per_chunk: int = flag(2, "new facts per chunk")
     questions_per_instance: int = flag(4, "questions per instance")
     flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises")
-    # lr 1e-5 and T 0.7 are train.Config's; 8 instances, not 4, for the same reason train.py's
+    # lr 1e-5 at T 0.7, the step Mem-alpha was measured at; 8 instances, not 4, for the same reason train.py's
     # questions went 8 -> 16: half the gradient's sampling noise (3 seeds: no RL effect at either step,
     # results/MEMALPHA.md section 9)
+    lr: float = flag(1e-5, "GRPO learning rate")
     instances: int = flag(8, "instances per GRPO step")
     top_k_memory: int = flag(3, "BM25 top-k of each store for r1")
     context_tokens: int = flag(64, "long-context baseline's chunk-token window (its SFT answerer rows use it)")

@@ -81,8 +81,10 @@ class MemTrainConfig(train.Config):
     """MemTrain: self-supervised memory pre-training (masked reconstruction + IMR)."""
     run: str = flag("runs/memtrain", "output folder (metrics.jsonl, checkpoints, final/)")
     algo: str = flag("memtrain", "memtrain (this recipe; the step's log name)")
-    # lr 1e-5, T 0.7 and 16 tasks a step are train.Config's RL step (results/MEMTRAIN.md, "At the new
-    # RL step" and "The same pipeline on another machine")
+    # lr 1e-5 and 60 steps of 16 tasks at T 0.7: the RL step MemTrain was measured at (results/MEMTRAIN.md, "At
+    # the new RL step" and "The same pipeline on another machine")
+    lr: float = flag(1e-5, "RL learning rate")
+    rl_steps: int = flag(60, "RL steps (0 skips RL)")
     questions: int = flag(16, "masked-reconstruction tasks per RL step")
     # --questions tasks x --group G1 end-to-end rollouts per step
     imr_group: int = flag(2, "IMR rollouts per end-to-end trajectory (G2; paper 8)")
