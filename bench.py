@@ -103,8 +103,8 @@ DEFAULT_CHECKPOINTS = ["runs/default/final", "runs/bench_sft/final"]
 # --quick on a fresh clone trains its own, cheaper policies (kept apart, so the full figures keep theirs)
 QUICK_SFT, QUICK_PROTOCOL = "runs/bench_quick_sft/final", "runs/bench_quick_protocol/final"
 QUICK_SFT_ARGS = ["--sft-copy-steps", "150", "--sft-steps", "250", "--sft-batch", "32", "--rl-steps", "0",
-                  "--forget-p", "0.5", "--sft-objectives", "1-2", "--hops", "1-2", "--eval-every", "0",
-                  "--sft-copy-mix", "0", "--sft-fill-mix", "0", "--no-sft-row-action"]
+                  "--forget-p", "0.5", "--sft-objectives", "1-2", "--hops", "1-2",
+                  "--eval-every", "0"] + train.EXPERT_ROWS_ONLY
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, rope_theta=1_000_000.0, tie_word_embeddings=True)
 

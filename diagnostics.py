@@ -102,7 +102,7 @@ def first_update(trajs: list, tasks: list) -> dict:
             expected = {k: data.open_path([o.start] + o.relations) for k, o in enumerate(task.objectives)}
             for k, obj in enumerate(task.objectives):
                 s, r, o = obj.chain[0]
-                if kind == "search" and body.split() == [s, r] and tools and " ".join((s, r, o)) in tools[0]:
+                if kind == "search" and body.split() == [s, r] and tools and _has_fact(tools[0], obj.chain[0]):
                     expected[k][2] = o
             right += data.parse_mem(mem) == expected
     n = max(len(trajs), 1)

@@ -280,7 +280,7 @@ def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
     drawn at random, no world) show a round >= 2 copying a memory of any K in ``objectives``, in the snail
     context the loop renders (the forced ``<mem>`` prefix without loss). With ``action`` the row goes on to
     the round's search (``round_action``)."""
-    rng = random.Random(cfg.seed * 5_000_011 + step + (7_919_000 if fill else 0))
+    rng = random.Random(cfg.seed * 5_000_011 + step + (7_919_000 if fill else 0))   # fill rows: their own draws
     names, prefix = data.name_pool(), tokenizer.encode("<mem>", add_special_tokens=False)
     out = []
     for _ in range(n):

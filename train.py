@@ -109,8 +109,8 @@ class Config:
                                      "<mem> of --sft-copy-objectives entries whole, as a share of --sft-batch")
     sft_fill_mix: float = flag(0.25, "after the warm-up, rows of a round >= 2 whose search found its <mem>'s next fact "
                                     "and that fills it in, --sft-copy-objectives entries, as a share of --sft-batch")
-    sft_row_action: bool = flag(True, "those copy and carry rows go on past </mem> to the round's search (the pair "
-                                       "before the first open slot, as the expert's round at any K)")
+    sft_row_action: bool = flag(True, "those copy, carry and fill rows go on past </mem> to the round's search "
+                                      "(the pair before the first open slot, as the expert's round at any K)")
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
     forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw")
     sft_objectives: str = flag("1-2", "objective counts K of SFT questions, e.g. 1-10")
@@ -214,11 +214,13 @@ def parse_args(argv=None, config=Config):
     return cfg
 
 
+# The expert's rows alone, no copy or fill rows past its K: the rows the small recipes below were tuned on.
+EXPERT_ROWS_ONLY = ["--sft-copy-mix", "0", "--sft-fill-mix", "0", "--no-sft-row-action"]
 # A small SFT recipe (about 40 s on 2 CPU cores) whose policy already writes valid multi-round
 # trajectories: the test suite's fixture (conftest.py) and bench.py's model when it has no checkpoint.
 SMALL_SFT_ARGS = ["--sft-copy-steps", "200", "--sft-steps", "400", "--sft-batch", "32", "--rl-steps", "0",
-                  "--forget-p", "0.5", "--sft-objectives", "1-2", "--hops", "1-2", "--eval-every", "0",
-                  "--sft-copy-mix", "0", "--sft-fill-mix", "0", "--no-sft-row-action"]
+                  "--forget-p", "0.5", "--sft-objectives", "1-2", "--hops", "1-2",
+                  "--eval-every", "0"] + EXPERT_ROWS_ONLY
 
 
 # --------------------------------------------------------------------------- one RL step
