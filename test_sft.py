@@ -1,0 +1,154 @@
+"""SFT rows: the expert's rounds, the probe rows of both memory-reward contexts, and the copy, carry and fill rows
+that show a round's <mem> past the expert's K, each going on to the round's action."""
+import data
+import sft
+import train
+from memory import extract_mem
+from search import SearchTool
+
+
+def test_expert_samples_renders_only_the_requested_rounds_identically():
+    import random
+    from search import SearchTool
+    tok, rng = data.build_tokenizer(), random.Random(0)
+    world = data.make_world(1)
+    tool = SearchTool(world.docs)
+    for _ in range(10):
+        task = data.make_task(world, rng, rng.randint(1, 4), (1, 3))
+        full = sft.expert_samples(tok, task, tool, forget=True)
+        assert len(full) == sum(len(o.relations) for o in task.objectives) + 1     # one search per hop + answer
+        picked = {0, len(full) // 2, len(full) - 1}
+        part = sft.expert_samples(tok, task, tool, forget=True, picked_rounds=picked)
+        assert [(s.ids, s.n_prompt) for s in part] == [(full[t].ids, full[t].n_prompt) for t in sorted(picked)]
+
+
+def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():
+    import random as _random
+    from memory import extract_mem
+    tok = data.build_tokenizer()
+    world = data.make_world(3)
+    task = data.make_task(world, _random.Random(1), 2, (1, 2))
+    tool = SearchTool(world.docs)
+    ep = data.expert_episode(task, True)
+    rows = sft.probe_samples(tok, task, tool, True, _random.Random(0), 1.0)
+    assert len(rows) == 2 * (len(ep) - 1)                       # two rows for every round >= 2, none for round 1
+    policy = sft.expert_samples(tok, task, tool, True)
+    for t in range(1, len(ep)):
+        full, mem = rows[2 * (t - 1)], rows[2 * (t - 1) + 1]
+        ctx = policy[t].ids[:policy[t].n_prompt - 1]             # the round's context, without the forced <mem>
+        assert full.ids[:len(ctx)] == ctx
+        assert tok.decode(full.ids[len(ctx):full.n_prompt]) == "<think> probe </think> <answer>"
+        assert tok.decode(full.ids[full.n_prompt:]) == f"{data.context_answers(task, ep, t)} </answer>"
+        assert tok.decode(mem.ids[mem.n_prompt:]) == f"{data.answers_from_mem(task, extract_mem(ep[t][0]))} </answer>"
+        assert tok.decode(mem.ids[:mem.n_prompt]).endswith(f"<mem> {extract_mem(ep[t][0])} </mem> <think> probe </think> <answer>")
+    assert sft.probe_samples(tok, task, tool, True, _random.Random(0), 0.0) == []
+    # on top of the batch: the policy rows of a step are the same count with or without probe rows
+    plain = ["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16"] + train.EXPERT_ROWS_ONLY
+    cfg = train.parse_args(plain)
+    assert len(sft.sft_batch(tok, cfg, 99)) > 16
+    cfg0 = train.parse_args(plain + ["--sft-probe", "0"])
+    assert len(sft.sft_batch(tok, cfg0, 99)) == 16
+
+
+def test_copy_rows_count_their_entries():
+    """A copy row's <mem> holds one numbered entry per objective of its question: the warm-up draws K in
+    1-4, the rows mixed into later batches (--sft-copy-mix) K in --sft-copy-objectives."""
+    tok = data.build_tokenizer()
+    cfg = train.parse_args(["--sft-batch", "64"])
+
+    def entry_counts(rows):
+        texts = [tok.decode(r.ids[r.n_prompt:]) for r in rows]
+        return {len(t.split("</mem>")[0].split(";")) for t in texts}
+    assert entry_counts(sft.copy_batch(tok, cfg, 0)) == {1, 2, 3, 4}
+    mixed = sft.copy_batch(tok, cfg, 0, n=200, objectives=(5, 8))
+    assert len(mixed) == 200 and entry_counts(mixed) == {5, 6, 7, 8}
+
+
+def test_sft_batch_renders_the_policy_rows_in_the_training_context():
+    """--train-context full: a row's context holds every earlier round's tool result (snail: at most one),
+    and the round it trains on is the same text in both."""
+    tok = data.build_tokenizer()
+    rows = {c: sft.sft_batch(tok, train.parse_args(["--train-context", c, "--sft-objectives", "2", "--sft-batch", "16",
+                                                   "--sft-probe", "0"]), 2000) for c in ("snail", "full")}
+    info = tok.convert_tokens_to_ids("<information>")
+    n_info = {c: [r.ids[:r.n_prompt].count(info) for r in rs] for c, rs in rows.items()}
+    assert max(n_info["snail"]) == 1 and max(n_info["full"]) >= 3
+    assert [r.ids[r.n_prompt:] for r in rows["snail"]] == [r.ids[r.n_prompt:] for r in rows["full"]]
+
+
+def test_carry_rows_copy_the_previous_memory_whole_after_a_search_that_found_nothing():
+    tok = data.build_tokenizer()
+    cfg = train.parse_args(["--sft-carry-mix", "0.25"])
+    rows = sft.carry_batch(tok, cfg, 900, 200, (3, 6))
+    counts = set()
+    for r in rows:
+        context, target = tok.decode(r.ids[:r.n_prompt]), tok.decode(r.ids[r.n_prompt:])
+        assert context.endswith("<mem>") and target.endswith("</mem>")     # the forced prefix carries no loss
+        previous = extract_mem(context.split("<|assistant|>")[-2].strip())
+        assert target.replace("</mem>", "").strip() == previous                # carried whole
+        counts.add(len(previous.split(";")))
+        query = context.split("<search>")[-1].split("</search>")[0].split()
+        found = context.split("<information>")[-1].split("</information>")[0].split("|")
+        assert all(doc.split()[1] != query[0] for doc in found)              # nothing on the searched entity
+    assert counts == {3, 4, 5, 6}
+
+
+def test_first_open_pair_is_the_experts_next_search():
+    """On every search round of the expert's episodes (K 1-6, 1-3 hops), the pair before the first open slot of
+    that round's <mem> is the pair it searches."""
+    world, tasks = data.make_tasks(41, 60, [1, 2, 3, 4, 5, 6], (1, 3))
+    n = 0
+    for task in tasks:
+        for text, query in data.expert_episode(task):
+            entries = data.parse_mem(extract_mem(text))
+            if query is not None:
+                assert data.first_open_pair(entries) == query
+                n += 1
+            else:
+                assert data.first_open_pair(entries) is None                    # every entry finished: it answers
+    assert n > 200
+
+
+def test_row_action_rows_go_on_to_the_rounds_search():
+    """--sft-row-action: copy and carry rows end with the round's action, read from the row's own <mem> (as the
+    expert's: data.expert_episode's last round answers each entry's last word)."""
+    tok = data.build_tokenizer()
+    cfg = train.parse_args(["--sft-row-action"])
+    rows = sft.copy_batch(tok, cfg, 900, n=100, objectives=(3, 6), action=True)
+    rows += sft.carry_batch(tok, cfg, 900, 100, (3, 6), action=True)
+    for r in rows:
+        target = tok.decode(r.ids[r.n_prompt:])
+        mem, rest = target.split("</mem>")
+        entries = data.parse_mem(mem.replace("<mem>", ""))
+        pair = data.first_open_pair(entries)
+        if pair is None:                                                    # a carried memory, every entry finished
+            answers = " ; ".join(entries[k][-1] for k in sorted(entries))
+            assert rest.strip() == f"<think> answer </think> <answer> {answers} </answer>"
+        else:
+            assert rest.strip() == f"<think> search </think> <search> {pair[0]} {pair[1]} </search>"
+        assert len(entries) >= 3
+    plain = sft.copy_batch(tok, cfg, 900, n=100, objectives=(3, 6))          # the same draws, cut at </mem>
+    assert [tok.decode(p.ids).split("</mem>")[0] for p in plain] == [tok.decode(r.ids).split("</mem>")[0]
+                                                                    for r in rows[:100]]
+
+
+def test_fill_rows_fill_the_slot_their_search_found_and_nothing_else():
+    tok = data.build_tokenizer()
+    cfg = train.parse_args(["--sft-fill-mix", "0.25", "--sft-row-action"])
+    counts = set()
+    for r in sft.carry_batch(tok, cfg, 900, 200, (3, 6), action=True, fill=True):
+        context, target = tok.decode(r.ids[:r.n_prompt]), tok.decode(r.ids[r.n_prompt:])
+        previous = data.parse_mem(extract_mem(context.split("<|assistant|>")[-2].strip()))
+        query = context.split("<search>")[-1].split("</search>")[0].split()
+        assert tuple(query) == data.first_open_pair(previous)                  # it searched its next pair
+        docs = context.split("<information>")[-1].split("</information>")[0].split("|")
+        facts = [d.split()[1:] for d in docs if d.split()[1:3] == query]
+        assert len(facts) == 1                                                 # ... and the result shows it
+        new = data.parse_mem(target.split("</mem>")[0])
+        k = next(k for k in sorted(previous) if data.SLOT in previous[k])
+        j = previous[k].index(data.SLOT)
+        assert new[k][j] == facts[0][2] and new[k][:j] + new[k][j + 1:] == previous[k][:j] + previous[k][j + 1:]
+        assert {i: p for i, p in new.items() if i != k} == {i: p for i, p in previous.items() if i != k}
+        assert target.split("</mem>")[1].strip() == sft.round_action(new).strip()
+        counts.add(len(new))
+    assert counts == {3, 4, 5, 6}
