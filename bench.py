@@ -687,7 +687,7 @@ def print_table(f: dict, args, device: torch.device, repeats: int) -> None:
         dec["speedup"], f"vs model.generate; greedy parity {dec['greedy_parity']}")
     cache_note = lambda x: (f"cache off {x['off_traj_s']:.2f} traj/s ({x['speedup_off']:.2f}x naive), on/off "
                             f"{x['on_vs_off']:.2f}; rounds/traj {x['rounds_on']:.2f} vs {x['rounds_naive']:.2f}")
-    row(f"2 rollout traj/s (8 x G=8, snail, T=1)", s["on_traj_s"], s["naive_traj_s"], s["speedup"],
+    row("2 rollout traj/s (8 x G=8, snail, T=1)", s["on_traj_s"], s["naive_traj_s"], s["speedup"],
         f"protocol prompt ({ro['prefix_tokens']:.0f}-token prefix; {p_source}), prefix cache on vs "
         f"model.generate per round; " + cache_note(s))
     row("  rollout traj/s (same, greedy)", g["on_traj_s"], g["naive_traj_s"], g["speedup"],
@@ -705,7 +705,7 @@ def print_table(f: dict, args, device: torch.device, repeats: int) -> None:
             x = sc[b]
             row(f"3 scoring s, 2N={2 * sc['n']}, budget {b}", x["one_2n_s"], x["two_n_s"], x["speedup"],
                 f"one 2N pass vs two N passes; max |dlogp| {x['max_abs_diff']:.1e}")
-    print(f"4 context growth: one round, batch 8, prefill + 30 new tokens")
+    print("4 context growth: one round, batch 8, prefill + 30 new tokens")
     print(f"  {'round':>6s} {'snail tok':>10s} {'snail s':>8s} {'full tok':>9s} {'full s':>8s}")
     for r in (8, 16, 32, 64):
         a, b = cx[f"snail_{r}"], cx[f"full_{r}"]

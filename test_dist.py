@@ -18,7 +18,6 @@ import dist
 import grpo
 import train
 from rollout import AgentConfig
-from search import SearchTool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn", "64"]

@@ -2,7 +2,6 @@
 memory agent, one training step that changes weights, and the eval metrics."""
 import json
 import random
-import re
 
 import pytest
 import torch

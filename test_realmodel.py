@@ -22,7 +22,7 @@ import sft
 import train
 from memory import mem_token_end
 from reward import answer_template
-from rollout import (AgentConfig, PROTOCOL_PROMPT, checkpoint_prompt, encode_chat, generate, left_pad,
+from rollout import (AgentConfig, PROTOCOL_PROMPT, checkpoint_prompt, generate, left_pad,
                      parse_action, rollout, run_episodes, stop_strings)
 from search import SearchTool
 

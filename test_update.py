@@ -1,0 +1,132 @@
+"""The PPO update (train.ppo_update) on hand-built samples: it changes weights, its gradient equals a naive
+per-trajectory loss with or without micro-batches, it moves log-probabilities the way the advantages point,
+and a non-finite batch is skipped with the weights untouched."""
+import copy
+
+import pytest
+import torch
+
+import data
+import grpo
+import train
+
+
+def hand_built_samples(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        L, P = int(torch.randint(8, 20, (1,), generator=g)), 5
+        ids = torch.randint(5, 200, (L,), generator=g).tolist()
+        out.append(grpo.Sample(ids, P, mem_end=3, n_prefix=1, adv_t=(-1.0) ** i, adv_m=0.5 * (-1.0) ** (i // 2)))
+    return out
+
+
+def test_ppo_update_changes_weights_on_policy_without_clipping():
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    cfg = train.parse_args(["--lr", "1e-2", "--micro-tokens", "40"])      # forces several micro-batches
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    before = [p.detach().clone() for p in model.parameters()]
+    m = train.ppo_update(model, None, opt, hand_built_samples(), cfg, tok.pad_token_id)
+    assert "skipped" not in m and m["clip_frac"] == 0.0 and abs(m["approx_kl"]) < 1e-12   # ratio is exactly 1
+    assert 0 <= m["padding_waste"] < 1 and m["loss"] == m["loss"]
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_ppo_update_with_two_epochs_and_kl_reference_is_finite():
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    ref = copy.deepcopy(model)
+    cfg = train.parse_args(["--lr", "1e-2", "--ppo-epochs", "2", "--kl-coef", "0.1", "--agg", "seq-mean-token-mean"])
+    m = train.ppo_update(model, ref, torch.optim.AdamW(model.parameters(), lr=cfg.lr), hand_built_samples(seed=1),
+                         cfg, tok.pad_token_id)
+    assert "skipped" not in m and m["clip_frac"] > 0      # epoch 2 moved off-policy
+    assert m["kl"] > 1e-6                                  # ... and away from the reference
+    # one epoch against a reference equal to the policy: k3 is exactly 0 on every token
+    model2 = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    cfg1 = train.parse_args(["--kl-coef", "0.1", "--agg", "seq-mean-token-mean"])
+    m1 = train.ppo_update(model2, copy.deepcopy(model2), torch.optim.AdamW(model2.parameters()),
+                          hand_built_samples(seed=1), cfg1, tok.pad_token_id)
+    assert m1["kl"] == 0.0
+
+
+def _sgd_step(samples, cfg_args, seed=0):
+    """Weights after one ppo_update with plain SGD at lr 1 and no clipping: old - new = the gradient."""
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, seed=seed)
+    cfg = train.parse_args(cfg_args + ["--grad-clip", "1e9", "--temperature", "1"])   # the naive loss has no T
+    before = [p.detach().clone() for p in model.parameters()]
+    m = train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), samples, cfg, tok.pad_token_id)
+    assert "skipped" not in m
+    return [b - p.detach() for b, p in zip(before, model.parameters())], m
+
+
+def _naive_gradient(samples, agg, seed=0):
+    """Each row run alone; on-policy ratio exp(logp - logp.detach()); loss per trajectory, then the mean."""
+    from grpo import token_logprobs
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, seed=seed)
+    per_traj: dict = {}
+    for s in samples:
+        ids = torch.tensor([s.ids])
+        logp = token_logprobs(model, ids, torch.ones_like(ids))[0, s.n_prompt:]          # policy tokens
+        span = torch.zeros(len(s.ids))
+        span[s.n_prompt - s.n_prefix:s.n_prompt - s.n_prefix + s.mem_end] = 1
+        adv = s.adv_t + s.adv_m * span[s.n_prompt:]
+        per_traj.setdefault(s.traj, []).append(-adv * torch.exp(logp - logp.detach()))
+    toks = {k: torch.cat(v) for k, v in per_traj.items()}
+    if agg == "token-mean":
+        loss = sum(t.sum() for t in toks.values()) / sum(len(t) for t in toks.values())
+    else:
+        loss = sum(t.mean() for t in toks.values()) / len(toks)
+    loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_ppo_update_gradient_equals_naive_per_trajectory_loss_with_or_without_micro_batches(agg):
+    samples = hand_built_samples(n=8, seed=2)
+    for i, s in enumerate(samples):
+        s.traj = [0, 0, 0, 1, 1, 2, 3, 3][i]        # rows of one trajectory differ in length: sorting splits them
+    small, m = _sgd_step(samples, ["--agg", agg, "--micro-tokens", "40"])
+    one, _ = _sgd_step(samples, ["--agg", agg, "--micro-tokens", "100000"])
+    batches = grpo.micro_batches(samples, 40)
+    assert len(batches) >= 3
+    split = [t for t in range(4) if len({bi for bi, b in enumerate(batches) for s in b if s.traj == t}) > 1]
+    assert split, "no trajectory was split across micro-batches"
+    naive = _naive_gradient(samples, agg)
+    for a, b, g in zip(small, one, naive):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+        assert torch.allclose(a, g, atol=1e-6), (a - g).abs().max()
+
+
+def test_update_raises_logprob_of_positive_and_lowers_negative_advantage_tokens():
+    from grpo import token_logprobs
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    up = grpo.Sample(tok.encode("<mem> 1 = bobi friend </mem> <think> search </think>", add_special_tokens=False),
+                      3, adv_t=1.0, traj=0)
+    down = grpo.Sample(tok.encode("<think> answer </think> <answer> gonu </answer>", add_special_tokens=False),
+                        3, adv_t=-1.0, traj=1)
+
+    def policy_logp(s):
+        ids = torch.tensor([s.ids])
+        with torch.no_grad():
+            return token_logprobs(model, ids, torch.ones_like(ids))[0, s.n_prompt:].sum().item()
+    before = policy_logp(up), policy_logp(down)
+    cfg = train.parse_args(["--lr", "1e-3"])
+    train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=cfg.lr), [up, down], cfg, tok.pad_token_id)
+    after = policy_logp(up), policy_logp(down)
+    assert after[0] > before[0] and after[1] < before[1]
+
+
+def test_non_finite_update_is_skipped_and_weights_untouched():
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    samples = hand_built_samples()
+    samples[0].adv_t = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    m = train.ppo_update(model, None, torch.optim.AdamW(model.parameters()), samples, train.parse_args([]),
+                         tok.pad_token_id)
+    assert m["skipped"].startswith("non-finite")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
