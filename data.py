@@ -225,14 +225,23 @@ def expert_episode(task: Task, forget: bool = False) -> list[tuple[str, tuple[st
     return rounds
 
 
+def first_open_slot(entries: dict[int, list[str]]) -> tuple[int, int] | None:
+    """``(k, j)``: entry ``k``'s word ``j`` is the first open slot, in objective order (None when every entry is
+    finished)."""
+    for k in sorted(entries):
+        if SLOT in entries[k]:
+            return k, entries[k].index(SLOT)
+    return None
+
+
 def first_open_pair(entries: dict[int, list[str]]) -> tuple[str, str] | None:
     """The expert's next search from its ``<mem>`` entries: the pair before the first open slot, in objective
     order (None when every entry is finished). It reads the same for any number of entries."""
-    for k in sorted(entries):
-        if SLOT in entries[k]:
-            j = entries[k].index(SLOT)
-            return entries[k][j - 2], entries[k][j - 1]
-    return None
+    slot = first_open_slot(entries)
+    if slot is None:
+        return None
+    k, j = slot
+    return entries[k][j - 2], entries[k][j - 1]
 
 
 def parse_mem(mem: str) -> dict[int, list[str]]:

@@ -291,18 +291,23 @@ def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
             for h in range(rng.randint(0, len(chain) - 1)):           # slots found so far
                 path[2 * h + 2] = rng.choice(names)
             entries[k] = path
-        if fill and data.first_open_pair(entries) is None:
-            entries[len(entries) - 1][-1] = data.SLOT                  # keep one slot open to fill
+        slot = data.first_open_slot(entries) if fill else None
+        if fill and slot is None:                                      # keep one slot open to fill
+            slot = len(entries) - 1, len(entries[len(entries) - 1]) - 1
+            entries[slot[0]][slot[1]] = data.SLOT
         mem = data.format_mem(entries)
-        s, r = data.first_open_pair(entries) if fill else (rng.choice(names), rng.choice(data.RELATIONS))
+        if fill:
+            k, j = slot
+            s, r = entries[k][j - 2], entries[k][j - 1]
+        else:
+            s, r = rng.choice(names), rng.choice(data.RELATIONS)
         docs = [f"d{rng.randrange(data.MAX_DOC_IDS)} {rng.choice([x for x in names if x != s])} "
                 f"{rng.choice(data.RELATIONS)} {rng.choice(names)}" for _ in range(3)]  # nothing on s r
         new = {k: list(path) for k, path in entries.items()}
         if fill:
             o = rng.choice(names)
             docs[rng.randrange(3)] = f"d{rng.randrange(data.MAX_DOC_IDS)} {s} {r} {o}"
-            k = next(k for k in sorted(new) if data.SLOT in new[k])
-            new[k][new[k].index(data.SLOT)] = o
+            new[k][j] = o
         records = [Record("prompt", data.format_question(chains)),
                    Record("llm_gen", f"<mem> {mem} </mem> <think> search </think> <search> {s} {r} </search>"),
                    tool_record("search_results", f"<information> {' | '.join(docs)} </information>")]

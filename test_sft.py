@@ -103,9 +103,12 @@ def test_first_open_pair_is_the_experts_next_search():
             entries = data.parse_mem(extract_mem(text))
             if query is not None:
                 assert data.first_open_pair(entries) == query
+                k, j = data.first_open_slot(entries)
+                assert entries[k][j] == data.SLOT and all(data.SLOT not in entries[i] for i in entries if i < k)
                 n += 1
             else:
                 assert data.first_open_pair(entries) is None                    # every entry finished: it answers
+                assert data.first_open_slot(entries) is None
     assert n > 200
 
 
