@@ -57,14 +57,27 @@ def sft_run(tmp_path_factory):
     pytest.fail(f"the SFT fixture policy did not learn the protocol in {steps} SFT steps: {figures}")
 
 
+def expert_tape(tok, task, mem_prefix: bool = True) -> tuple[list[str], list[int]]:
+    """The expert's rounds of ``task`` and their ids in order, less the "<mem>" the loop forces from round 2."""
+    rounds = [text for text, _ in data.expert_episode(task)]
+    mem = tok.encode("<mem>", add_special_tokens=False)
+    tape = []
+    for t, text in enumerate(rounds):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids[:1] == mem
+        tape += ids[1:] if t > 0 and mem_prefix else ids
+    return rounds, tape
+
+
 class ExpertTape(torch.nn.Module):
     """A real tiny model whose logits follow a tape: the expert's rounds of ONE trajectory, in order, less the
     "<mem>" the loop forces from round 2. Every forward of ``generate`` (its prefill, then one per decode step)
-    reads the next tape token; the prefix cache's own prefill (a ``DynamicCache``) reads none."""
+    reads the next tape token; the prefix cache's own prefill (a ``DynamicCache``) reads none. One row, or with
+    ``every_row`` every row of the batch writes the same tape."""
 
-    def __init__(self, inner, tape: list[int]):
+    def __init__(self, inner, tape: list[int], every_row: bool = False):
         super().__init__()
-        self.inner, self.config, self.tape, self.n = inner, inner.config, tape, 0
+        self.inner, self.config, self.tape, self.n, self.every_row = inner, inner.config, tape, 0, every_row
 
     @property
     def device(self):
@@ -73,8 +86,8 @@ class ExpertTape(torch.nn.Module):
     def forward(self, input_ids, **kw):
         out = self.inner(input_ids=input_ids, **kw)
         if isinstance(kw.get("past_key_values"), StaticCache):
-            assert input_ids.shape[0] == 1 and self.n < len(self.tape), "one row, within the tape"
-            out.logits[0, -1, self.tape[self.n]] += 1e4
+            assert (self.every_row or input_ids.shape[0] == 1) and self.n < len(self.tape), "one row, within the tape"
+            out.logits[:, -1, self.tape[self.n]] += 1e4
             self.n += 1
         return out
 
@@ -85,17 +98,11 @@ def expert_rollout():
     writes the expert's rounds (checked: each trajectory's round texts are the expert's)."""
     tok = data.build_tokenizer()
     inner = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
-    mem = tok.encode("<mem>", add_special_tokens=False)
 
     def run(tasks, tool, cfg: AgentConfig):
         trajs = []
         for task in tasks:
-            rounds = [text for text, _ in data.expert_episode(task)]
-            tape = []
-            for t, text in enumerate(rounds):
-                ids = tok.encode(text, add_special_tokens=False)
-                assert ids[:1] == mem
-                tape += ids[1:] if t > 0 and cfg.mem_prefix else ids
+            rounds, tape = expert_tape(tok, task, cfg.mem_prefix)
             traj, = rollout(ExpertTape(inner, tape), tok, [task], 1, tool, cfg)
             assert [r.text for r in traj.rounds] == rounds[:len(traj.rounds)]
             trajs.append(traj)

@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from rank_bm25 import BM25Okapi
-from transformers import StaticCache
 
 import data
+from conftest import ExpertTape, expert_tape
 from memory import tool_record
 from rollout import AgentConfig, rollout
 from search import (SEARCH_FAILED, BM25Index, Retriever, SearchClient, SearchTool, bm25_tokens, build_index,
@@ -273,34 +273,6 @@ class Recorder(SearchTool):
         return super().search_batch(queries)
 
 
-class SameTape(torch.nn.Module):
-    """A real tiny model whose every row writes the same tape (the expert's rounds, less the forced "<mem>")."""
-    def __init__(self, inner, tape: list[int]):
-        super().__init__()
-        self.inner, self.config, self.tape, self.n = inner, inner.config, tape, 0
-
-    @property
-    def device(self):
-        return self.inner.device
-
-    def forward(self, input_ids, **kw):
-        out = self.inner(input_ids=input_ids, **kw)
-        if isinstance(kw.get("past_key_values"), StaticCache):
-            out.logits[:, -1, self.tape[self.n]] += 1e4
-            self.n += 1
-        return out
-
-
-def expert_tape(tok, task) -> tuple[list[str], list[int]]:
-    """The expert's rounds of ``task`` and their ids in order, less the "<mem>" the loop forces from round 2."""
-    rounds = [text for text, _ in data.expert_episode(task)]
-    tape = []
-    for t, text in enumerate(rounds):
-        ids = tok.encode(text, add_special_tokens=False)
-        tape += ids[1:] if t > 0 else ids
-    return rounds, tape
-
-
 def test_agent_loop_searches_once_per_round_with_every_rows_query():
     tok = data.build_tokenizer()
     inner = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
@@ -308,7 +280,8 @@ def test_agent_loop_searches_once_per_round_with_every_rows_query():
     rounds, tape = expert_tape(tok, tasks[0])
     tool = Recorder(world.docs)
     cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=len(rounds), max_new_tokens=60)
-    trajs = rollout(SameTape(inner, tape), tok, tasks, 4, tool, cfg, torch.Generator().manual_seed(0))
+    policy = ExpertTape(inner, tape, every_row=True)
+    trajs = rollout(policy, tok, tasks, 4, tool, cfg, torch.Generator().manual_seed(0))
     searches = [q for _, q in data.expert_episode(tasks[0]) if q is not None]
     assert [r.text for r in trajs[0].rounds] == rounds and len(searches) >= 4
     assert len(tool.calls) == len(rounds)                                # one call a round, all 4 rows in it
@@ -326,6 +299,6 @@ def test_failed_searches_reach_the_trajectory_and_the_run_goes_on():
     rounds, tape = expert_tape(tok, tasks[0])
     client = SearchClient(f"http://127.0.0.1:{free_port()}/retrieve", retries=0)
     cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=2, max_new_tokens=60)
-    trajs = rollout(SameTape(inner, tape), tok, tasks, 2, client, cfg)
+    trajs = rollout(ExpertTape(inner, tape, every_row=True), tok, tasks, 2, client, cfg)
     assert all(t.records[2].text == SEARCH_FAILED for t in trajs) and client.failures == 2 * 2
     assert isinstance(client, Retriever)
