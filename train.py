@@ -122,9 +122,9 @@ class Config:
     # (results/STUDIES.md)
     questions: int = flag(16, "questions per RL step")
     group: int = flag(8, "rollouts per question (G)")
-    # the two K past the expert's and one inside it; every hop count (RL on 1-2 hops taught 3-hop questions to
-    # answer after 2 hops)
-    rl_objectives: str = flag("2,3,4", "objective counts K of RL questions")
+    # the expert's K and the two past it: a K RL never samples is where its updates break a memory write unseen;
+    # every hop count (RL on 1-2 hops taught 3-hop questions to answer after 2 hops)
+    rl_objectives: str = flag("1-4", "objective counts K of RL questions")
     rl_hops: str = flag("1-3", "hops per objective in RL")
     # 1e-4 lowered its SFT start; 3e-5 learns past the expert's K in 120 steps (results/STUDIES.md)
     lr: float = flag(3e-5, "RL learning rate")
