@@ -291,16 +291,16 @@ def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
             for h in range(rng.randint(0, len(chain) - 1)):           # slots found so far
                 path[2 * h + 2] = rng.choice(names)
             entries[k] = path
-        slot = data.first_open_slot(entries) if fill else None
-        if fill and slot is None:                                      # keep one slot open to fill
-            slot = len(entries) - 1, len(entries[len(entries) - 1]) - 1
-            entries[slot[0]][slot[1]] = data.SLOT
-        mem = data.format_mem(entries)
         if fill:
+            slot = data.first_open_slot(entries)
+            if slot is None:                                           # keep one slot open to fill
+                slot = len(entries) - 1, len(entries[len(entries) - 1]) - 1
+                entries[slot[0]][slot[1]] = data.SLOT
             k, j = slot
             s, r = entries[k][j - 2], entries[k][j - 1]
         else:
             s, r = rng.choice(names), rng.choice(data.RELATIONS)
+        mem = data.format_mem(entries)
         docs = [f"d{rng.randrange(data.MAX_DOC_IDS)} {rng.choice([x for x in names if x != s])} "
                 f"{rng.choice(data.RELATIONS)} {rng.choice(names)}" for _ in range(3)]  # nothing on s r
         new = {k: list(path) for k, path in entries.items()}
