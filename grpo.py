@@ -90,8 +90,8 @@ def grouped_advantage(scores: Tensor, group_ids: Tensor, eps: float = 1e-6,
     return centred / (std[index] + eps)
 
 
-def _normalise(values: list[float], eps: float, by_std: bool) -> list[float]:
-    """Normalise one pool of floats: (v - mean) / (unbiased std + eps); a pool of one -> [0]."""
+def _normalise(values: list[float], eps: float, by_std: bool, std_floor: float = 0.0) -> list[float]:
+    """Normalise one pool of floats: (v - mean) / (max(unbiased std, std_floor) + eps); a pool of one -> [0]."""
     n = len(values)
     if n == 0:
         return []
@@ -101,7 +101,7 @@ def _normalise(values: list[float], eps: float, by_std: bool) -> list[float]:
     if n == 1:
         return [0.0]
     std = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
-    return [(v - mean) / (std + eps) for v in values]
+    return [(v - mean) / (max(std, std_floor) + eps) for v in values]
 
 
 def _memory_pools(mem_rewards: list[list[float]], group_ids: list[int], rounds: list[list[int]] | None,
@@ -123,15 +123,18 @@ def _memory_pools(mem_rewards: list[list[float]], group_ids: list[int], rounds: 
 
 def memory_advantage(mem_rewards: list[list[float]], group_ids: list[int],
                      rounds: list[list[int]] | None = None, eps: float = 1e-6,
-                     norm: str = "std") -> list[list[float]]:
+                     norm: str = "std", std_floor: float = 0.0) -> list[list[float]]:
     """Normalise per-round memory rewards over a pool per group; same nested shape out.
 
     ``rounds[i][k]`` is the round index of ``mem_rewards[i][k]`` (needed by ``norm="round"`` only:
     a trajectory may skip a round that wrote no ``<mem>``, so list position is not the round).
+    ``std_floor`` > 0 divides by max(std, std_floor): a pool whose rewards differ by a hair gets
+    advantages of that hair's size, not unit variance (0 = the paper's pool).
     """
     out = [[0.0] * len(rewards) for rewards in mem_rewards]
     for members in _memory_pools(mem_rewards, group_ids, rounds, norm):
-        normed = _normalise([mem_rewards[i][k] for i, k in members], eps, by_std=norm != "none")
+        normed = _normalise([mem_rewards[i][k] for i, k in members], eps, by_std=norm != "none",
+                            std_floor=std_floor)
         for (i, k), a in zip(members, normed):
             out[i][k] = a
     return out
@@ -147,6 +150,20 @@ def memory_pool_stds(mem_rewards: list[list[float]], group_ids: list[int],
             mean = sum(vals) / len(vals)
             stds.append((sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5)
     return stds
+
+
+def memory_pool_weights(mem_rewards: list[list[float]], mem_adv: list[list[float]], group_ids: list[int],
+                        rounds: list[list[int]] | None = None, norm: str = "std") -> list[tuple[float, float]]:
+    """(unbiased reward std, sum of |A_M|) of each pool of >= 2 rewards: how much of the memory advantage's
+    magnitude a pool of a given spread carries (a pool whose rewards differ by 1e-3 still gets unit variance)."""
+    out = []
+    for members in _memory_pools(mem_rewards, group_ids, rounds, norm):
+        vals = [mem_rewards[i][k] for i, k in members]
+        if len(vals) > 1:
+            mean = sum(vals) / len(vals)
+            std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+            out.append((std, sum(abs(mem_adv[i][k]) for i, k in members)))
+    return out
 
 
 def token_advantages(outcome_adv: Tensor, mem_adv: Tensor, mem_span: Tensor, loss_mask: Tensor,

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from grpo import (filter_groups, grouped_advantage, memory_advantage, memory_pool_stds, policy_loss,
+from grpo import (filter_groups, grouped_advantage, memory_advantage, memory_pool_stds, memory_pool_weights, policy_loss,
                   token_advantages, token_logprobs)
 
 
@@ -302,3 +302,21 @@ def test_seq_mean_token_mean_averages_per_trajectory_across_micro_batches():
     # per-round rows (the old behaviour: each row its own sequence) give a different loss here
     rows, _ = policy_loss(logp, old, adv, mask, agg="seq-mean-token-mean")
     assert abs(rows.item() - naive.item()) > 1e-3
+
+
+def test_memory_std_floor_bounds_a_pool_of_tiny_spread():
+    # {0.2, 0.4, 0.0}: mean 0.2, std 0.2; a floor below the std changes nothing, above it scales down
+    _close(memory_advantage([[0.2, 0.4], [0.0]], [0, 0], std_floor=0.1), [[0.0, 1.0], [-1.0]])
+    _close(memory_advantage([[0.2, 0.4], [0.0]], [0, 0], std_floor=0.5), [[0.0, 0.4], [-0.4]])
+    # {0.5, 0.501, 0.499}: std 0.001 -> unit variance under the paper's pool, a hundredth under a floor of 0.1
+    a = 0.001 / (0.001 + 1e-6)       # the eps in the denominator
+    _close(memory_advantage([[0.5, 0.501], [0.499]], [0, 0]), [[0.0, a], [-a]])
+    _close(memory_advantage([[0.5, 0.501], [0.499]], [0, 0], std_floor=0.1), [[0.0, 0.01], [-0.01]])
+
+
+def test_memory_pool_weights_is_each_pools_std_and_advantage_mass():
+    rewards, gids = [[0.2, 0.4], [0.0], [0.5, 0.501], [0.499], [7.0]], [0, 0, 1, 1, 2]
+    adv = memory_advantage(rewards, gids)
+    # pools of >= 2 rewards: group 0 (std 0.2, |A| 0 + 1 + 1), group 1 (std 0.001, also 2); group 2 is alone
+    (s0, w0), (s1, w1) = memory_pool_weights(rewards, adv, gids)
+    assert (s0, w0, s1, w1) == pytest.approx((0.2, 2.0, 0.001, 2.0), rel=1e-3)   # the eps: 2 * 0.001 / 0.001001

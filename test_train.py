@@ -70,7 +70,8 @@ def test_rl_step_logs_finite_metrics_and_updates_only_when_not_skipped(sft_run):
         before = [p.detach().clone() for p in model.parameters()]
         m = train.rl_step(model, None, tok, opt, cfg, step, agent)
         for k in ("score", "f1", "valid", "turns", "tokens", "sec_rollout", "sec_reward", "sec_update",
-                  "p_mem", "p_full", "mem_reward", "empty_frac", "no_signal_frac", "pool_std"):
+                  "p_mem", "p_full", "mem_reward", "empty_frac", "no_signal_frac", "pool_std", "pool_std_p50",
+                  "mem_adv_share_std01", "mem_adv_share_std05", "mem_adv_abs", "mem_adv_no_signal"):
             assert k in m and m[k] == m[k] and abs(m[k]) < float("inf"), (k, m)
         changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert changed == ("skipped" not in m)

@@ -50,8 +50,8 @@ import checkpoint
 import data
 import dist
 import viz
-from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, micro_batches, policy_loss,
-                  token_advantages, token_logprobs)
+from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, memory_pool_weights,
+                  micro_batches, policy_loss, token_advantages, token_logprobs)
 from memory import extract_mem
 from models import autocast, load_pretrained
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
@@ -156,6 +156,8 @@ class Config:
     mem_adv_norm: str = flag("std", "memory-pool normalisation: std (the paper's) | none | round | nonzero (zero "
                                     "rewards left out)")
     mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens")
+    mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
+                                     "whose rewards differ by a hair gets unit-variance advantages)")
     mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
     # P_mem - P_full cannot see an entry dropped before its answer is found; the world can (data.mem_entry_score)
     entry_reward: float = flag(0.0, "MemPO, embedded world: add this times the share of right <mem> entries to "
@@ -280,7 +282,8 @@ def add_entry_rewards(mem: dict, trajs, tasks: list, q0: int, weight: float) -> 
             mem["entry"].append(score)
 
 
-def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config) -> dict[str, list]:
+def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config,
+                  mem_adv: list[list[float]] | None = None) -> dict[str, list]:
     """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
          "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
@@ -293,6 +296,10 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
               "mask_mem": mem["mask_mem"], "mask_full": mem["mask_full"], "empty": [mem["empty_frac"] * mem["n"]],
               "no_signal": [mem["no_signal_frac"] * mem["n"]], "ungrounded": [mem["ungrounded"]],
               "pool_std": memory_pool_stds(mem["rewards"], group_ids, mem["rounds"], cfg.mem_adv_norm)}
+        if mem_adv is not None:     # where the memory advantage's magnitude goes: pools by spread, no-signal rounds
+            no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
+            v |= {"pool_w": memory_pool_weights(mem["rewards"], mem_adv, group_ids, mem["rounds"], cfg.mem_adv_norm),
+                  "adv_ns": list(zip(no_signal, [a for r in mem_adv for a in r]))}
         if "entry" in mem:
             v["entry"] = mem["entry"]
     return v
@@ -339,6 +346,15 @@ def step_metrics(v: dict[str, list]) -> dict:
                  mask_mem=mean(v["mask_mem"]), mask_full=mean(v["mask_full"]),
                  empty_frac=n_empty / len(flat) if flat else 0.0, no_signal_frac=n_none / len(flat) if flat else 0.0,
                  mem_rounds=len(flat), ungrounded=sum(v["ungrounded"]), pool_std=mean(v["pool_std"]))
+    if "pool_w" in v:                   # where the memory advantage's magnitude goes
+        stds, total = sorted(s for s, _ in v["pool_w"]) or [0.0], sum(w for _, w in v["pool_w"]) or 1.0
+        m["pool_std_p10"], m["pool_std_p50"] = stds[len(stds) // 10], stds[len(stds) // 2]
+        for thr, name in ((0.01, "01"), (0.05, "05")):      # share of sum |A_M| from pools of spread below thr
+            m[f"mem_adv_share_std{name}"] = sum(w for s, w in v["pool_w"] if s < thr) / total
+        ns, every = [a for none, a in v["adv_ns"] if none], [abs(a) for _, a in v["adv_ns"]]
+        m["mem_adv_abs"] = mean(every)
+        m["mem_adv_no_signal"] = mean(ns)                   # > 0: rounds with nothing to keep are pushed up
+        m["mem_adv_no_signal_share"] = sum(abs(a) for a in ns) / (sum(every) or 1.0)
     if "entry" in v:                    # --entry-reward: share of right <mem> entries over the scored rounds
         m["entry_score"] = mean(v["entry"])
     return m
@@ -371,10 +387,11 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
                                      think=cfg.probe_think, gate=cfg.mem_gate)
             if cfg.entry_reward and real_tasks is None:
                 add_entry_rewards(mem, trajs, tasks, q0, cfg.entry_reward)
-            mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
+            mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm,
+                                       std_floor=cfg.mem_std_floor)
         m["sec_reward"] = time.time() - t0
 
-    v = metric_values(trajs, outs, mem, gids.tolist(), cfg) | {"search_failures": [tool.failures - failures0]}
+    v = metric_values(trajs, outs, mem, gids.tolist(), cfg, mem_adv) | {"search_failures": [tool.failures - failures0]}
     m.update(step_metrics(dist.gather_metrics(v)))
     t0 = time.time()
     m.update(ppo_update(model, ref_model, optimizer, build_samples(trajs, adv_t, mem, mem_adv), cfg,
