@@ -113,8 +113,8 @@ class Accepts:
         try:
             value = self.kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text}: not {'an' if self.kind is int else 'a'} "
-                                             f"{self.kind.__name__}") from None
+            raise argparse.ArgumentTypeError(f"{text}: not {'an integer' if self.kind is int else 'a number'}") \
+                from None
         why = self.rejects(value) if self.kind is not str or self.choices or self.int_range else None
         if why:
             raise argparse.ArgumentTypeError(f"{text}: {why}")
