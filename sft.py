@@ -421,12 +421,16 @@ def at_least(low: int):
     return parse
 
 
-if __name__ == "__main__":
+def main(argv=None) -> None:
     p = FlagParser(description="Write the embedded world as real-format files.")
     p.add_argument("--export", required=True, metavar="DIR", help="folder for test_k*.jsonl, corpus_k*.jsonl, "
                    "sft_trajectories.jsonl")
     p.add_argument("--objectives", type=at_least(1), nargs="+", default=[1, 2, 4, 6], help="objective counts K")
     p.add_argument("--tasks", type=at_least(1), default=64, help="test questions per K")
     p.add_argument("--episodes", type=at_least(1), default=256, help="expert trajectories")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     print("\n".join(export(a.export, tuple(a.objectives), a.tasks, a.episodes)))
+
+
+if __name__ == "__main__":
+    main()
