@@ -80,6 +80,7 @@ def test_every_config_field_declares_and_refuses(config, tmp_path, capsys):
     (["--group", "1", "--algo", "grpo"], "--group 1"),      # a group of one: every outcome advantage 0
     (["--hidden", "100"], "--hidden 100"),                   # not a multiple of --heads 8
     (["--dual-clip", "0.5"], "--dual-clip 0.5"),             # 0 = off, else > 1
+    (["--threshold", "1"], "--threshold 1"),                 # no token's probability passes it: every P is 0
 ])
 def test_settings_that_cannot_learn_stop(argv, flag, capsys):
     with pytest.raises(SystemExit) as stop:

@@ -264,6 +264,8 @@ class Config:
                           "(must be >= 2)")
         elif self.group == 1 and self.rl_steps > 0 and self.algo == "mempo":
             warnings.append("--group 1: every outcome advantage is 0; only the memory advantage on <mem> tokens trains")
+        if self.threshold == 1 and self.algo == "mempo":     # no log-probability is > log 1: every P is 0
+            errors.append("--threshold 1: no token passes it, every memory reward is 0 (must be < 1)")
         if self.algo == "grpo":
             for f in fields(self):
                 if f.name in MEMPO_ONLY and getattr(self, f.name) != f.default:
