@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 import torch
@@ -34,6 +33,7 @@ import data
 import sft
 from diagnostics import (first_update, mean_ci, memory_diagnostics, p_by_round, print_memory_diagnostics,
                          probe_by_found, report_decisions, report_stop_value)
+from flags import Accepts, FlagParser
 from models import gguf_file, load_pretrained, pick_device
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, run_episodes
@@ -325,38 +325,6 @@ def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) ->
         print(viz.format_episode(q, q["rollouts"][0]), end="\n\n")
 
 
-class FlagParser(argparse.ArgumentParser):
-    """argparse whose every error is one line on stderr, ``error: --flag VALUE: why``, and exit status 2 (the
-    form of train.py's flags; this script does not import train)."""
-
-    def error(self, message: str):
-        print("error: " + re.sub(r"^argument (\S+): ", r"\1 ", message), file=sys.stderr)
-        raise SystemExit(2)
-
-
-NUMBER = {int: "an integer", float: "a number"}
-
-
-def accepts(kind: type = int, min: float | None = None, choices: tuple = (), int_range: bool = False,
-            unbounded: bool = False):
-    """An argparse ``type`` that refuses a ``kind`` below ``min``, one not in ``choices``, or a K range that does
-    not ascend from >= 1 (train.Accepts's checks, the few this script's flags need)."""
-    def parse(text: str):
-        try:
-            value, ks = kind(text), data.int_range(text) if int_range else [1]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text}: not {'a K range' if int_range else NUMBER[kind]}") from None
-        why = ("choose " + " | ".join(choices) if choices and value not in choices else
-               "must be an ascending range A-B or list A,B,... of integers >= 1"
-               if not ks or ks != sorted(ks) or ks[0] < 1 else
-               f"must be >= {min:g}" if min is not None and not value >= min else "")
-        if why:
-            raise argparse.ArgumentTypeError(f"{text}: {why}")
-        return value
-    parse.min, parse.choices, parse.int_range, parse.unbounded = min, choices, int_range, unbounded
-    return parse
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = FlagParser(description="Evaluate MemPO checkpoints.")
     p.add_argument("--checkpoint", "--model", dest="checkpoint",
@@ -364,17 +332,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "elsewhere: a model folder, a .gguf file, smollm2 (it gets rollout.PROTOCOL_PROMPT)")
     p.add_argument("--compare", nargs="+", metavar="NAME=RUN[,RUN...]",
                    help="side-by-side variants, each a comma-separated list of runs (one per seed)")
-    p.add_argument("--objectives", type=accepts(min=1), nargs="+", default=[1, 2, 4, 6, 8, 10],
+    p.add_argument("--objectives", type=Accepts(int, min=1), nargs="+", default=[1, 2, 4, 6, 8, 10],
                    help="objective counts K")
-    p.add_argument("--context", default=None, type=accepts(str, choices=("snail", "full")),
+    p.add_argument("--context", default=None, type=Accepts(str, choices=("snail", "full")),
                    help="context mode (default: the one the run trained in; snail for a model from elsewhere)")
-    p.add_argument("--max-turns", type=accepts(min=1), default=64, help="max rounds per episode")
-    p.add_argument("--max-new-tokens", type=accepts(min=1), default=128, help="max tokens per round")
-    p.add_argument("--tasks", type=accepts(min=1), default=64, help="questions per K (embedded world)")
-    p.add_argument("--split", default="test", type=accepts(str, choices=tuple(SPLIT_SEEDS)),
+    p.add_argument("--max-turns", type=Accepts(int, min=1), default=64, help="max rounds per episode")
+    p.add_argument("--max-new-tokens", type=Accepts(int, min=1), default=128, help="max tokens per round")
+    p.add_argument("--tasks", type=Accepts(int, min=1), default=64, help="questions per K (embedded world)")
+    p.add_argument("--split", default="test", type=Accepts(str, choices=tuple(SPLIT_SEEDS)),
                    help="held-out world seeds")
-    p.add_argument("--seed", type=accepts(unbounded=True), default=0, help="which held-out worlds")
-    p.add_argument("--hops", default="1-3", type=accepts(str, int_range=True), help="hops per objective, e.g. 1-3")
+    p.add_argument("--seed", type=Accepts(int, unbounded=True), default=0, help="which held-out worlds")
+    p.add_argument("--hops", default="1-3", type=Accepts(str, int_range=True), help="hops per objective, e.g. 1-3")
     p.add_argument("--diagnostics", action="store_true", help="also print memory retention / faithfulness / P by round")
     p.add_argument("--probe-think", default="", help="with --diagnostics: the probes' think word (default: the run's)")
     p.add_argument("--plot", default="", metavar="FOLDER", help="with --compare: write F1-vs-K and retention PNGs here")
@@ -382,18 +350,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--corpus", default="", help="corpus JSONL for --data (or an index folder from search.py index)")
     p.add_argument("--search-url", default="", help="a Search-R1 retrieval server for --data, "
                                                       "http://HOST:PORT/retrieve (search.py serve)")
-    p.add_argument("--compose", type=accepts(min=1), nargs="+", default=[], metavar="K",
+    p.add_argument("--compose", type=Accepts(int, min=1), nargs="+", default=[], metavar="K",
                    help="with --data: MEM1-style K-objective questions joined from the file's, one table row per K")
     p.add_argument("--system-prompt", default="", help="text file with the system prompt (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--temperature", type=accepts(float, min=0), default=0.0,
+    p.add_argument("--temperature", type=Accepts(float, min=0), default=0.0,
                    help="0 = greedy (the reported eval); e.g. 1 with --max-turns 16: RL's own objective, sampled")
     p.add_argument("--stop-value", action="store_true",
                    help="at every round that searched: Q_stop (force the answer now) vs Q_go (search on), per K")
     p.add_argument("--decisions", default="", metavar="RUN",
                    help="RUN (e.g. the RL run of this SFT checkpoint) on this checkpoint's greedy episodes: does it "
                         "fix their first errors, does it change their right choices (embedded world, word tokenizer)")
-    p.add_argument("--show", type=accepts(min=0), default=0, metavar="N",
+    p.add_argument("--show", type=Accepts(int, min=0), default=0, metavar="N",
                    help="print N held-out episodes (the first --objectives K) round by round instead of the table")
     p.add_argument("--viz", default="", metavar="FILE",
                    help="write the episodes (--show N, else --tasks) as one HTML page (viz.py) instead of the table")

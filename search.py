@@ -38,7 +38,6 @@ Search-R1's dense server; this file keeps to BM25.
 """
 from __future__ import annotations
 
-import argparse
 import http.client
 import importlib.util
 import json
@@ -58,6 +57,7 @@ from rank_bm25 import BM25Okapi
 from tqdm import tqdm
 
 import data
+from flags import Accepts, FlagParser
 
 SEARCH_FAILED = "<information> search failed: the search server gave no answer </information>"
 INDEX_VERSION = 1
@@ -370,30 +370,6 @@ def ovos_wiki_docs() -> list[dict]:
             for i, p in enumerate(pages[k] for k in sorted(pages))]
 
 
-class FlagParser(argparse.ArgumentParser):
-    """argparse whose every error is one line on stderr, ``error: --flag VALUE: why``, and exit status 2 (the
-    form of train.py's flags; this file sits below train.py)."""
-
-    def error(self, message: str):
-        print("error: " + re.sub(r"^argument (\S+): ", r"\1 ", message), file=sys.stderr)
-        raise SystemExit(2)
-
-
-def within(low: int, high: int | None = None):
-    """An argparse ``type``: an integer in [low, high] (train.Accepts's check, the one the server's flags need)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text}: not an integer") from None
-        if value < low or (high is not None and value > high):
-            why = f"must be >= {low}" + (f" and <= {high}" if high is not None else "")
-            raise argparse.ArgumentTypeError(f"{text}: {why}")
-        return value
-    parse.min, parse.max = low, high
-    return parse
-
-
 def main(argv: list[str] | None = None) -> None:
     p = FlagParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -404,8 +380,10 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--corpus", default="", help="corpus JSONL, lines {\"id\", \"contents\"}")
         s.add_argument("--index", default="", help="index folder (serve: loaded if built, else built from --corpus)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sv.add_argument("--port", type=within(0, 65535), default=8000, help="port to listen on (0: any free one)")
-    sv.add_argument("--top-k", type=within(1), default=3, help="documents per query when a request gives no topk")
+    sv.add_argument("--port", type=Accepts(int, min=0, max=65535), default=8000,
+                    help="port to listen on (0: any free one)")
+    sv.add_argument("--top-k", type=Accepts(int, min=1), default=3,
+                    help="documents per query when a request gives no topk")
     wk.add_argument("out", help="output JSONL path")
     args = p.parse_args(argv)
     if args.cmd == "wiki-corpus":

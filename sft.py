@@ -26,13 +26,10 @@ expert trajectories for ``--sft-data``).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import random
-import re
-import sys
 import time
 
 import torch
@@ -41,6 +38,7 @@ from tqdm import tqdm
 import data
 import dist
 from checkpoint import log_jsonl, save_checkpoint
+from flags import Accepts, FlagParser
 from grpo import Sample, collate, micro_batches
 from memory import Record, extract_mem, prepare_prompt, tool_record
 from reward import answer_template, outcome_reward
@@ -398,36 +396,13 @@ def export(folder: str, ks: tuple[int, ...] = (1, 2, 4, 6), n: int = 64, episode
     return paths
 
 
-class FlagParser(argparse.ArgumentParser):
-    """argparse whose every error is one line on stderr, ``error: --flag VALUE: why``, and exit status 2 (the
-    form of train.py's flags; train.py imports this file, not the other way)."""
-
-    def error(self, message: str):
-        print("error: " + re.sub(r"^argument (\S+): ", r"\1 ", message), file=sys.stderr)
-        raise SystemExit(2)
-
-
-def at_least(low: int):
-    """An argparse ``type``: an integer >= ``low`` (train.Accepts's check, the one the export's flags need)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text}: not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text}: must be >= {low}")
-        return value
-    parse.min = low
-    return parse
-
-
 def main(argv=None) -> None:
     p = FlagParser(description="Write the embedded world as real-format files.")
     p.add_argument("--export", required=True, metavar="DIR", help="folder for test_k*.jsonl, corpus_k*.jsonl, "
                    "sft_trajectories.jsonl")
-    p.add_argument("--objectives", type=at_least(1), nargs="+", default=[1, 2, 4, 6], help="objective counts K")
-    p.add_argument("--tasks", type=at_least(1), default=64, help="test questions per K")
-    p.add_argument("--episodes", type=at_least(1), default=256, help="expert trajectories")
+    p.add_argument("--objectives", type=Accepts(int, min=1), nargs="+", default=[1, 2, 4, 6], help="objective counts K")
+    p.add_argument("--tasks", type=Accepts(int, min=1), default=64, help="test questions per K")
+    p.add_argument("--episodes", type=Accepts(int, min=1), default=256, help="expert trajectories")
     a = p.parse_args(argv)
     print("\n".join(export(a.export, tuple(a.objectives), a.tasks, a.episodes)))
 

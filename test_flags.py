@@ -1,6 +1,6 @@
 """Every flag of every entry point refuses a value it cannot run with at start: one line on stderr,
 ``error: --flag VALUE: why``, exit status 2, no run folder. The walk reads what each flag declares it accepts
-(train.Accepts on a Config field or an argparse type) and fails on a numeric or K-range flag that declares
+(flags.Accepts on a Config field or as an argparse type) and fails on a numeric or K-range flag that declares
 nothing, so a new flag without bounds is caught here (``unbounded=True`` says a seed has none on purpose)."""
 import argparse
 import os
@@ -13,7 +13,9 @@ import pytest
 
 import bench
 import checkpoint
+import data
 import eval as ev
+import flags
 import search
 import sft
 import train
@@ -25,7 +27,7 @@ RANGE = re.compile(r"^\d+(-\d+|(,\d+)+)$")          # a K range default: "1-4", 
 
 
 def bad_values(rule) -> list[str]:
-    """Values ``rule`` (an Accepts, or a script's argparse type with the same attributes) must refuse."""
+    """Values ``rule`` (a flags.Accepts: a Config field's, or a script flag's argparse type) must refuse."""
     get = lambda name: getattr(rule, name, None)
     if get("choices"):
         return ["nope"]
@@ -164,6 +166,22 @@ def test_every_script_flag_declares_and_refuses(script, monkeypatch, capsys):
             refused(capsys, main, words + need + [flag, value], flag, value)
             checked += 1
     assert checked and not os.path.exists("NOWHERE")
+
+
+def test_one_checker_for_every_flag(monkeypatch):
+    """Every script flag with a type checks it with flags.Accepts, whose K range parse is data.int_range's."""
+    for script, (main, _) in SCRIPTS.items():
+        for _, a in flags_of(parser_of(main, [], monkeypatch)):
+            assert isinstance(a.type, flags.Accepts), f"{script} {a.option_strings[0]}: not a flags.Accepts"
+    for text in ("1-4", "3", "2,4,6", "3-1", "0-2", "2,1", "x", "1-2-3", "-1", ""):
+        assert parsed(flags.k_range, text) == parsed(data.int_range, text), text
+
+
+def parsed(parse, text: str):
+    try:
+        return parse(text)
+    except ValueError:
+        return "ValueError"
 
 
 # --------------------------------------------------------------------------- end to end

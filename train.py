@@ -29,9 +29,10 @@ Choices of this project (measured: results/STUDIES.md):
    lr-1e-6 update away for most weights.
 6. ``--agg seq-mean-token-mean`` averages per trajectory (the paper's Eq. 10) although every round is a row:
    a row's loss is divided by its trajectory's policy-token count (grpo.policy_loss, ``seq_tokens``).
-Checkpoints, ``--resume`` and the KL reference: checkpoint.py. torchrun: dist.py. The SFT cold start and its
-probe rows: sft.py. The system prompt: the embedded world's, ``rollout.PROTOCOL_PROMPT`` for a model from
-elsewhere, a checkpoint's ``system_prompt.txt`` or ``--system-prompt FILE``. Other recipes: recipes/.
+Checkpoints, ``--resume`` and the KL reference: checkpoint.py. torchrun: dist.py. What each flag accepts:
+flags.py. The SFT cold start and its probe rows: sft.py. The system prompt: the embedded world's,
+``rollout.PROTOCOL_PROMPT`` for a model from elsewhere, a checkpoint's ``system_prompt.txt`` or
+``--system-prompt FILE``. Other recipes: recipes/.
 """
 from __future__ import annotations
 
@@ -39,10 +40,9 @@ import argparse
 import math
 import os
 import random
-import re
 import sys
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 from tqdm import tqdm
@@ -51,6 +51,7 @@ import checkpoint
 import data
 import dist
 import viz
+from flags import FlagParser, flag
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, micro_batches, policy_loss,
                   token_advantages, token_logprobs)
 from memory import extract_mem
@@ -59,72 +60,6 @@ from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
 from search import SearchTool, open_search
 from sft import cold_start, held_out_f1
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse whose every error is one line on stderr, ``error: --flag VALUE: why``, and exit status 2: a bad
-    flag stops the script before any model loads, without a usage screen or a traceback."""
-
-    def error(self, message: str):
-        print("error: " + re.sub(r"^argument (\S+): ", r"\1 ", message), file=sys.stderr)
-        raise SystemExit(2)
-
-
-@dataclass(frozen=True)
-class Accepts:
-    """What a flag accepts, declared beside it (``flag(16, "...", min=1)``) and used as its argparse ``type``:
-    a number in [min, max] (``above``: strictly more than; ``off``: one more value that turns it off), one of
-    ``choices``, or with ``int_range`` a K range 'A-B' / 'A,B' that ascends with every K >= min. ``unbounded``
-    says a number has no bound on purpose (a seed)."""
-    kind: type = str
-    min: float | None = None
-    max: float | None = None
-    above: float | None = None
-    off: float | None = None
-    choices: tuple = ()
-    int_range: bool = False
-    unbounded: bool = False
-
-    def rejects(self, value) -> str | None:
-        """Why ``value`` is refused (None: it is accepted)."""
-        if self.choices:
-            return None if value in self.choices else "choose " + " | ".join(self.choices)
-        if self.int_range:
-            try:
-                ks = data.int_range(value)
-            except ValueError:
-                ks = []
-            low = 1 if self.min is None else self.min
-            if not ks or ks != sorted(ks) or ks[0] < low:
-                return f"must be an ascending range A-B or list A,B,... of integers >= {low:g}"
-            return None
-        if value == self.off or (math.isfinite(value) and (self.min is None or value >= self.min) and
-                                 (self.above is None or value > self.above) and
-                                 (self.max is None or value <= self.max)):
-            return None
-        bounds = [f">= {self.min:g}"] if self.min is not None else [f"> {self.above:g}"] if self.above is not None \
-            else []
-        bounds += [f"<= {self.max:g}"] if self.max is not None else []
-        why = "must be " + (" and ".join(bounds) or "a finite number")
-        return why + (f" (or {self.off:g}: off)" if self.off is not None else "")
-
-    def __call__(self, text: str):
-        """argparse's ``type``: the text as ``kind``, or an ArgumentTypeError saying why not."""
-        try:
-            value = self.kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text}: not {'an integer' if self.kind is int else 'a number'}") \
-                from None
-        why = self.rejects(value) if self.kind is not str or self.choices or self.int_range else None
-        if why:
-            raise argparse.ArgumentTypeError(f"{text}: {why}")
-        return value
-
-
-def flag(default, help: str, **accepts):
-    """A Config field that is also a command-line flag: its default, its ``--help`` line and what it accepts
-    (``Accepts``: min, max, above, off, choices, int_range, unbounded), side by side."""
-    return field(default=default, metadata={"help": help, "accepts": Accepts(type(default), **accepts)})
 
 
 @dataclass

@@ -58,6 +58,7 @@ import checkpoint
 import data
 import dist
 import train
+from flags import flag
 from grpo import Sample, grouped_advantage
 from models import load_model, pick_device
 from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunks_answer, chunks_messages,
@@ -68,8 +69,6 @@ from recipes.memalpha_memory import (WRITER_SYSTEM, StructuredMemory, ToolCall, 
 from reward import em_score
 from rollout import encode_chat, generate
 from sft import cosine_lr, run_sft
-
-flag = train.flag
 
 
 @dataclass

@@ -20,13 +20,13 @@ import os
 from transformers import AutoTokenizer
 
 from data import SPLIT_SEEDS
+from flags import Accepts, FlagParser
 from models import load_model, pick_device
 from recipes.memalpha import WriterConfig, answer_contexts, memalpha_rollout, r4_validity
 from recipes.memalpha_data import (chunks_messages, load_memalpha, long_context_chunks, make_memalpha_instances,
                                    rag_chunks, writer_calls)
 from recipes.memalpha_memory import StructuredMemory, answerer_messages
 from reward import em_score
-from train import Accepts, FlagParser
 
 
 def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, context_tokens: int = 64,

@@ -64,6 +64,7 @@ import checkpoint
 import data
 import dist
 import train
+from flags import flag
 from grpo import Sample, filter_groups, grouped_advantage
 from memory import Record, extract_mem, mem_token_end, prepare_prompt, tool_record
 from recipes.memtrain_tasks import (MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks,
@@ -72,8 +73,6 @@ from reward import em_score
 from rollout import Round, cut_at_stop, encode_chat, generate, stop_strings
 from search import SearchTool
 from sft import run_sft
-
-flag = train.flag
 
 
 @dataclass

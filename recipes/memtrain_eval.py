@@ -17,10 +17,10 @@ import random
 
 import data
 from eval import load
+from flags import Accepts, FlagParser
 from models import pick_device
 from recipes.memtrain import MemAgentConfig, imr_rollout, memory_rollout, reconstruction_reward
 from recipes.memtrain_tasks import MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks, world_memtrain_tasks
-from train import Accepts, FlagParser
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
 
