@@ -84,6 +84,7 @@ import grpo
 import models
 import rollout as engine
 import train
+from flags import Accepts, FlagParser
 from memory import Record, mem_token_end, mem_traj, prepare_prompt, tool_record
 from reward import answer_logprobs, answer_template
 from rollout import PROTOCOL_PROMPT, AgentConfig, encode_chat, generate, left_pad, question_prefix
@@ -431,7 +432,7 @@ def bench_processes(model, tok, source: str, device: torch.device, procs: list[i
 # --------------------------------------------------------------------------- main
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Benchmark the rollout engine, reward scoring and a training step.")
+    p = FlagParser(description="Benchmark the rollout engine, reward scoring and a training step.")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--quick", action="store_true", help="fewer repeats and shorter decodes (under 3 minutes on CPU)")
     p.add_argument("--checkpoint", default="",
@@ -442,12 +443,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="",
                    help="a model from elsewhere: a model folder, a .gguf file or smollm2 (SmolLM2-135M-Instruct): "
                         "figures 1-3 only, at the sizes of REAL_SIZES (a few minutes on one CPU thread)")
-    p.add_argument("--model-shape", default="tiny", choices=["tiny", "qwen2.5-0.5b"],
+    p.add_argument("--model-shape", default="tiny", type=Accepts(str, choices=("tiny", "qwen2.5-0.5b")),
                    help="tiny: the checkpoint; qwen2.5-0.5b: a random model of that shape (bf16 on CUDA)")
-    p.add_argument("--repeats", type=int, default=0, help="timed repeats per figure (default 5, quick 3)")
-    p.add_argument("--train-steps", type=int, default=0, help="RL steps timed in figure 5 (default 2, quick 1)")
-    p.add_argument("--procs", default="1,2", help="figure 7: torchrun process counts to time, e.g. 1,2,4,8 (GPUs: one each)")
-    p.add_argument("--proc-steps", type=int, default=0, help="RL steps per run in figure 7 (default 4, quick 3)")
+    p.add_argument("--repeats", type=Accepts(int, min=0), default=0,
+                   help="timed repeats per figure (default 5, quick 3)")
+    p.add_argument("--train-steps", type=Accepts(int, min=0), default=0,
+                   help="RL steps timed in figure 5 (default 2, quick 1)")
+    p.add_argument("--procs", default="1,2", type=Accepts(str, int_range=True),
+                   help="figure 7: torchrun process counts to time, e.g. 1,2,4,8 (GPUs: one each)")
+    p.add_argument("--proc-steps", type=Accepts(int, min=0), default=0,
+                   help="RL steps per run in figure 7 (default 4, quick 3)")
     p.add_argument("--search-url", default="", help="figure 8: also time this Search-R1 server, http://HOST:PORT/retrieve")
     p.add_argument("--search-only", action="store_true", help="figure 8 alone (its share row needs a policy: "
                                                              "--checkpoint or an existing default)")

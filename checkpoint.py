@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -84,7 +85,7 @@ def truncate_metrics(path: str, state: dict) -> None:
 
 def resume(run: str) -> dict | None:
     """The trainer state of ``RUN/ckpt`` (``optimizer``, ``state`` = stage + step, ``torch_rng``), with the
-    metrics rows logged after it dropped; None when there is no checkpoint (the run starts afresh)."""
+    metrics rows logged after it dropped; None when there is no checkpoint (``check_run`` refuses that first)."""
     path = os.path.join(run, "ckpt", "trainer.pt")
     if not os.path.exists(path):
         return None
@@ -95,7 +96,12 @@ def resume(run: str) -> dict | None:
 
 def check_run(run: str, resuming: bool) -> str:
     """Create the run folder; returns its metrics path. A folder that already holds a run is refused unless
-    ``resuming``: two runs' metrics never mix and no checkpoint is overwritten."""
+    ``resuming``: two runs' metrics never mix and no checkpoint is overwritten. ``resuming`` a folder without
+    a checkpoint stops with one line and exit status 2 (a flag error): a fresh start there would be silent."""
+    if resuming and not os.path.exists(os.path.join(run, "ckpt", "trainer.pt")):
+        print(f"error: --resume {run}: nothing to resume (no checkpoint {os.path.join(run, 'ckpt')})",
+              file=sys.stderr)
+        raise SystemExit(2)
     os.makedirs(run, exist_ok=True)
     metrics_path = os.path.join(run, "metrics.jsonl")
     if not resuming and os.path.exists(metrics_path):

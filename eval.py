@@ -33,6 +33,7 @@ import data
 import sft
 from diagnostics import (first_update, mean_ci, memory_diagnostics, p_by_round, print_memory_diagnostics,
                          probe_by_found, report_decisions, report_stop_value)
+from flags import Accepts, FlagParser
 from models import gguf_file, load_pretrained, pick_device
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, run_episodes
@@ -325,21 +326,23 @@ def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) ->
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Evaluate MemPO checkpoints.")
+    p = FlagParser(description="Evaluate MemPO checkpoints.")
     p.add_argument("--checkpoint", "--model", dest="checkpoint",
                    help="run folder or checkpoint folder saved by train.py (e.g. runs/default), or a model from "
                         "elsewhere: a model folder, a .gguf file, smollm2 (it gets rollout.PROTOCOL_PROMPT)")
     p.add_argument("--compare", nargs="+", metavar="NAME=RUN[,RUN...]",
                    help="side-by-side variants, each a comma-separated list of runs (one per seed)")
-    p.add_argument("--objectives", type=int, nargs="+", default=[1, 2, 4, 6, 8, 10], help="objective counts K")
-    p.add_argument("--context", default=None, choices=["snail", "full"],
+    p.add_argument("--objectives", type=Accepts(int, min=1), nargs="+", default=[1, 2, 4, 6, 8, 10],
+                   help="objective counts K")
+    p.add_argument("--context", default=None, type=Accepts(str, choices=("snail", "full")),
                    help="context mode (default: the one the run trained in; snail for a model from elsewhere)")
-    p.add_argument("--max-turns", type=int, default=64, help="max rounds per episode")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="max tokens per round")
-    p.add_argument("--tasks", type=int, default=64, help="questions per K (embedded world)")
-    p.add_argument("--split", default="test", choices=list(SPLIT_SEEDS), help="held-out world seeds")
-    p.add_argument("--seed", type=int, default=0, help="which held-out worlds")
-    p.add_argument("--hops", default="1-3", help="hops per objective, e.g. 1-3")
+    p.add_argument("--max-turns", type=Accepts(int, min=1), default=64, help="max rounds per episode")
+    p.add_argument("--max-new-tokens", type=Accepts(int, min=1), default=128, help="max tokens per round")
+    p.add_argument("--tasks", type=Accepts(int, min=1), default=64, help="questions per K (embedded world)")
+    p.add_argument("--split", default="test", type=Accepts(str, choices=tuple(SPLIT_SEEDS)),
+                   help="held-out world seeds")
+    p.add_argument("--seed", type=Accepts(int, unbounded=True), default=0, help="which held-out worlds")
+    p.add_argument("--hops", default="1-3", type=Accepts(str, int_range=True), help="hops per objective, e.g. 1-3")
     p.add_argument("--diagnostics", action="store_true", help="also print memory retention / faithfulness / P by round")
     p.add_argument("--probe-think", default="", help="with --diagnostics: the probes' think word (default: the run's)")
     p.add_argument("--plot", default="", metavar="FOLDER", help="with --compare: write F1-vs-K and retention PNGs here")
@@ -347,28 +350,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--corpus", default="", help="corpus JSONL for --data (or an index folder from search.py index)")
     p.add_argument("--search-url", default="", help="a Search-R1 retrieval server for --data, "
                                                       "http://HOST:PORT/retrieve (search.py serve)")
-    p.add_argument("--compose", type=int, nargs="+", default=[], metavar="K",
+    p.add_argument("--compose", type=Accepts(int, min=1), nargs="+", default=[], metavar="K",
                    help="with --data: MEM1-style K-objective questions joined from the file's, one table row per K")
     p.add_argument("--system-prompt", default="", help="text file with the system prompt (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=Accepts(float, min=0), default=0.0,
                    help="0 = greedy (the reported eval); e.g. 1 with --max-turns 16: RL's own objective, sampled")
     p.add_argument("--stop-value", action="store_true",
                    help="at every round that searched: Q_stop (force the answer now) vs Q_go (search on), per K")
     p.add_argument("--decisions", default="", metavar="RUN",
                    help="RUN (e.g. the RL run of this SFT checkpoint) on this checkpoint's greedy episodes: does it "
                         "fix their first errors, does it change their right choices (embedded world, word tokenizer)")
-    p.add_argument("--show", type=int, default=0, metavar="N",
+    p.add_argument("--show", type=Accepts(int, min=0), default=0, metavar="N",
                    help="print N held-out episodes (the first --objectives K) round by round instead of the table")
     p.add_argument("--viz", default="", metavar="FILE",
                    help="write the episodes (--show N, else --tasks) as one HTML page (viz.py) instead of the table")
     p.add_argument("--question", default="",
                    help="run the agent on this question against the corpus (--corpus, else the K-th test world)")
     args = p.parse_args(argv)
-    if args.show < 0:
-        p.error("--show N: N must be at least 0")
-    if min(args.objectives) < 1:
-        p.error(f"--objectives {' '.join(map(str, args.objectives))}: each objective count K must be at least 1")
     if not args.compare and not args.checkpoint:
         p.error("give --checkpoint or --compare")
     runs = [r for v in args.compare or [] for r in v.split("=", 1)[-1].split(",")] or [args.checkpoint]

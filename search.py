@@ -38,7 +38,6 @@ Search-R1's dense server; this file keeps to BM25.
 """
 from __future__ import annotations
 
-import argparse
 import http.client
 import importlib.util
 import json
@@ -58,6 +57,7 @@ from rank_bm25 import BM25Okapi
 from tqdm import tqdm
 
 import data
+from flags import Accepts, FlagParser
 
 SEARCH_FAILED = "<information> search failed: the search server gave no answer </information>"
 INDEX_VERSION = 1
@@ -371,7 +371,7 @@ def ovos_wiki_docs() -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = FlagParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     ix = sub.add_parser("index", help="build a persisted index folder from a corpus JSONL")
     sv = sub.add_parser("serve", help="answer POST /retrieve (Search-R1's protocol) from an index")
@@ -380,8 +380,10 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--corpus", default="", help="corpus JSONL, lines {\"id\", \"contents\"}")
         s.add_argument("--index", default="", help="index folder (serve: loaded if built, else built from --corpus)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sv.add_argument("--port", type=int, default=8000, help="port to listen on")
-    sv.add_argument("--top-k", type=int, default=3, help="documents per query when a request gives no topk")
+    sv.add_argument("--port", type=Accepts(int, min=0, max=65535), default=8000,
+                    help="port to listen on (0: any free one)")
+    sv.add_argument("--top-k", type=Accepts(int, min=1), default=3,
+                    help="documents per query when a request gives no topk")
     wk.add_argument("out", help="output JSONL path")
     args = p.parse_args(argv)
     if args.cmd == "wiki-corpus":

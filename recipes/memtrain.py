@@ -64,6 +64,7 @@ import checkpoint
 import data
 import dist
 import train
+from flags import flag
 from grpo import Sample, filter_groups, grouped_advantage
 from memory import Record, extract_mem, mem_token_end, prepare_prompt, tool_record
 from recipes.memtrain_tasks import (MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks,
@@ -73,27 +74,35 @@ from rollout import Round, cut_at_stop, encode_chat, generate, stop_strings
 from search import SearchTool
 from sft import run_sft
 
-flag = train.flag
-
 
 @dataclass
 class MemTrainConfig(train.Config):
     """MemTrain: self-supervised memory pre-training (masked reconstruction + IMR)."""
     run: str = flag("runs/memtrain", "output folder (metrics.jsonl, checkpoints, final/)")
-    algo: str = flag("memtrain", "memtrain (this recipe; the step's log name)")
+    algo: str = flag("memtrain", "memtrain (this recipe; the step's log name)", choices=("memtrain",))
     # lr 1e-5 and 60 steps of 16 tasks at T 0.7: the RL step MemTrain was measured at (results/MEMTRAIN.md, "At
     # the new RL step" and "The same pipeline on another machine")
-    lr: float = flag(1e-5, "RL learning rate")
-    rl_steps: int = flag(60, "RL steps (0 skips RL)")
-    questions: int = flag(16, "masked-reconstruction tasks per RL step")
+    lr: float = flag(1e-5, "RL learning rate", above=0)
+    rl_steps: int = flag(60, "RL steps (0 skips RL)", min=0)
+    questions: int = flag(16, "masked-reconstruction tasks per RL step", min=1)
     # --questions tasks x --group G1 end-to-end rollouts per step
-    imr_group: int = flag(2, "IMR rollouts per end-to-end trajectory (G2; paper 8)")
+    imr_group: int = flag(2, "IMR rollouts per end-to-end trajectory (G2; paper 8)", min=1)
     imr_lam: float = flag(0.5, "lambda, weight of the mean IMR reward in R = e2e + lambda * mean(IMR) (0 = the "
-                               "ablation without IMR)")
-    mem_tokens: int = flag(48, "memory budget of the memory agent in tokens")
-    max_chunks: int = flag(4, "chunks per masked-reconstruction task (--corpus: that corpus; else embedded worlds)")
+                               "ablation without IMR)", min=0)
+    mem_tokens: int = flag(48, "memory budget of the memory agent in tokens", min=1)
+    max_chunks: int = flag(4, "chunks per masked-reconstruction task (--corpus: that corpus; else embedded worlds)",
+                           min=1)
     memtrain_warmup: int = flag(0, "SFT steps (--sft-batch rows, --sft-lr) on scripted memory-agent rounds before "
-                                   "the RL steps, so a tiny model writes the step format (0 = none, as in the paper)")
+                                   "the RL steps, so a tiny model writes the step format (0 = none, as in the paper)",
+                                   min=0)
+
+    def conflicts(self) -> tuple[list[str], list[str]]:
+        """train.Config's, and a group of one: its advantage R - mean(R) is 0 and the DAPO filter drops it."""
+        errors, warnings = super().conflicts()
+        if self.group == 1 and self.rl_steps > 0:
+            errors.append("--group 1: every group of one is dropped (advantage 0), RL has nothing to learn "
+                          "(must be >= 2)")
+        return errors, warnings
 
 
 # --------------------------------------------------------------------------- the memory agent

@@ -11,13 +11,13 @@ An SFT checkpoint of the world gets ``[MASK]`` / ``[TARGET]`` added first (``add
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 
 import data
 from eval import load
+from flags import Accepts, FlagParser
 from models import pick_device
 from recipes.memtrain import MemAgentConfig, imr_rollout, memory_rollout, reconstruction_reward
 from recipes.memtrain_tasks import MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks, world_memtrain_tasks
@@ -64,14 +64,15 @@ def evaluate_memtrain(model, tokenizer, tasks: list, names=None, mem_tokens: int
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Evaluate a MemTrain memory agent: reconstruction and IMR accuracy.")
+    p = FlagParser(description="Evaluate a MemTrain memory agent: reconstruction and IMR accuracy.")
     p.add_argument("--checkpoint", required=True, help="run folder or checkpoint folder (e.g. runs/memtrain)")
-    p.add_argument("--tasks", type=int, default=64, help="held-out tasks per set")
-    p.add_argument("--split", default="test", choices=list(SPLIT_SEEDS), help="held-out world seeds")
-    p.add_argument("--seed", type=int, default=0, help="which held-out tasks")
+    p.add_argument("--tasks", type=Accepts(int, min=1), default=64, help="held-out tasks per set")
+    p.add_argument("--split", default="test", type=Accepts(str, choices=tuple(SPLIT_SEEDS)),
+                   help="held-out world seeds")
+    p.add_argument("--seed", type=Accepts(int, unbounded=True), default=0, help="which held-out tasks")
     p.add_argument("--corpus", default="", help="also evaluate on masked-entity tasks of this {id, contents} JSONL")
-    p.add_argument("--mem-tokens", type=int, default=48, help="memory budget in tokens")
-    p.add_argument("--max-chunks", type=int, default=4, help="chunks per held-out task")
+    p.add_argument("--mem-tokens", type=Accepts(int, min=1), default=48, help="memory budget in tokens")
+    p.add_argument("--max-chunks", type=Accepts(int, min=1), default=4, help="chunks per held-out task")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = p.parse_args(argv)
     if not os.path.isdir(args.checkpoint):
