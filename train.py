@@ -21,8 +21,10 @@ Choices of this project (measured: results/STUDIES.md):
 2. The memory reward is the paper's own (``--mem-mask separate --mem-adv-norm std``, weight 1, no gate:
    what ``--faithful`` pins): once both probes are in distribution (reward.py, choice 1) it is the best of
    the variants measured on the validation worlds.
-3. One optimizer step per rollout batch (``--ppo-epochs 1``): ``old_logp`` is the detached ``logp`` of the
-   same forward (ratio 1, exactly on-policy), so no extra forward is spent.
+3. One optimizer step per rollout batch (``--ppo-epochs 1 --ppo-minibatches 1``): ``old_logp`` is the detached
+   ``logp`` of the same forward (ratio 1, exactly on-policy: REINFORCE with the group baseline, the clip never
+   acts), so no extra forward is spent. More epochs or mini-batches (verl's) take ``old_logp`` from a no-grad
+   forward first, and the clip acts from the second optimizer step on.
 4. A step whose advantages are all zero, or whose loss or gradient is not finite, is skipped with the
    reason in the metrics; the weights are untouched.
 5. fp32 weights, bf16 autocast on CUDA (``--precision``): AdamW stepping bf16 weights directly rounds an
@@ -143,6 +145,8 @@ class Config:
                               "(loads the reference; off: no reference model unless --kl-coef > 0)")
     agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
     ppo_epochs: int = flag(1, "update passes per batch")
+    ppo_minibatches: int = flag(1, "optimizer steps per pass: the batch cut into N mini-batches of whole trajectories "
+                                   "(> 1: the PPO clip acts from the second step on)")
     # padded tokens per micro-batch; on CPU 2048 beats 4096 (less padding; results/STUDIES.md)
     micro_tokens: int = flag(2048, "token budget of one update micro-batch")
     grad_clip: float = flag(1.0, "max grad norm")
@@ -207,6 +211,8 @@ def parse_args(argv=None, config=Config):
     if config is Config and cfg.algo not in ("mempo", "grpo"):
         p.error(f"--algo {cfg.algo}: choose mempo or grpo (the other recipes run as python -m recipes.memtrain, "
                 f"python -m recipes.memalpha)")
+    if cfg.ppo_minibatches < 1 or cfg.ppo_epochs < 1:
+        p.error("--ppo-epochs and --ppo-minibatches are at least 1")
     if cfg.outcome_norm not in ("std", "none"):
         p.error(f"--outcome-norm {cfg.outcome_norm}: choose std or none")
     if cfg.faithful:
@@ -389,64 +395,92 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
 
 # --------------------------------------------------------------------------- the update
 
-def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
-    """Clipped PPO on round samples: micro-batches sorted by length, whole-batch token count as denominator.
+def minibatch_split(samples: list[Sample], n: int) -> list[list[Sample]]:
+    """``samples`` cut into ``n`` PPO mini-batches of whole trajectories (in order): a trajectory's rows share
+    one optimizer step, so ``seq-mean-*`` sees each trajectory whole. ``n`` = 1: ``[samples]``, the same list."""
+    if n == 1:
+        return [samples]
+    keys = list(dict.fromkeys(dist.seq_key(s) for s in samples))
+    part = {k: i * n // len(keys) for i, k in enumerate(keys)}
+    return [[s for s in samples if part[dist.seq_key(s)] == j] for j in range(n)]
 
-    Skipped (weights untouched, the reason in the metrics) when every advantage is zero on every rank,
-    or when the loss or gradient norm is not finite. torchrun: the denominators and the loss are the
-    global batch's, each rank back-propagates loss * W (DDP / FSDP2 average over ranks)."""
+
+def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
+    """Clipped PPO on round samples: ``--ppo-minibatches`` optimizer steps per pass (whole trajectories each),
+    micro-batches sorted by length, each mini-batch's whole token count as denominator.
+
+    Skipped (weights untouched, the reason in the metrics) when every advantage is zero on every rank;
+    a non-finite loss or gradient norm stops the update before that optimizer step. torchrun: the
+    denominators and the loss are the global mini-batch's, each rank back-propagates loss * W (DDP / FSDP2
+    average over ranks)."""
     if not dist.all_sum([float(any(s.adv_t != 0 or s.adv_m != 0 for s in samples))])[0]:
         return {"skipped": "all advantages are zero"}
     m: dict = {}
-    batches = micro_batches(samples, cfg.micro_tokens)
-    real, padded = dist.all_sum([sum(len(s.ids) for s in samples), sum(len(b) * len(b[-1].ids) for b in batches)])
+    split = minibatch_split(samples, cfg.ppo_minibatches)
+    parts = [micro_batches(part, cfg.micro_tokens) for part in split]
+    real, padded = dist.all_sum([sum(len(s.ids) for s in samples),
+                                 sum(len(b) * len(b[-1].ids) for batches in parts for b in batches)])
     m["padding_waste"] = 1 - real / max(padded, 1)      # = grpo.padding_waste(batches), over every rank's batches
-    batches = dist.even_micro_batches(batches, pad_id)  # torchrun: the same count on every rank
-    n = dist.denominators(samples)                      # the GLOBAL batch's counts (all ranks)
-    n_tokens, n_seqs, seq_tokens = n["n_tokens"], n["n_seqs"], n["seq_tokens"]
+    parts = [dist.even_micro_batches(batches, pad_id) for batches in parts]  # torchrun: the same count on every rank
+    # each optimizer step's loss is the mean over ITS mini-batch (the GLOBAL one, all ranks): its own policy tokens
+    # and sequences as denominators, as if it were the whole batch; a denominator over the whole rollout batch
+    # would shrink every step's gradient by the number of mini-batches
+    dens = [dist.denominators(part) for part in split]
+    n_all = sum(n["n_tokens"] for n in dens)
     device = model.device
     train_model = dist.update_module(model)
+    # off-policy after the first optimizer step: every ratio is then taken to the logp before it
+    off_policy = cfg.ppo_epochs > 1 or len(parts) > 1
     old = {}
-    if cfg.ppo_epochs > 1 or ref_model is not None:
+    if off_policy or ref_model is not None:
         with torch.no_grad(), autocast(cfg.precision, device):
-            for bi, b in enumerate(batches):
-                x = collate(b, pad_id, device)
-                if cfg.ppo_epochs > 1:
-                    old[("old", bi)] = token_logprobs(model, x["ids"], x["attn"], cfg.temperature)
-                if ref_model is not None:
-                    old[("ref", bi)] = token_logprobs(ref_model, x["ids"], x["attn"], cfg.temperature)
+            for mi, batches in enumerate(parts):
+                for bi, b in enumerate(batches):
+                    x = collate(b, pad_id, device)
+                    if off_policy:
+                        old[("old", mi, bi)] = token_logprobs(model, x["ids"], x["attn"], cfg.temperature)
+                    if ref_model is not None:
+                        old[("ref", mi, bi)] = token_logprobs(ref_model, x["ids"], x["attn"], cfg.temperature)
     model.train()
     stats = {"clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "entropy": 0.0}
     for epoch in range(cfg.ppo_epochs):
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for bi, b in enumerate(batches):
-            x = collate(b, pad_id, device)
-            adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"], cfg.mem_weight)
-            with dist.grad_sync(model, bi == len(batches) - 1):
-                with autocast(cfg.precision, device):
-                    logp = token_logprobs(train_model, x["ids"], x["attn"], cfg.temperature)
-                old_logp = old.get(("old", bi), logp.detach())
-                loss, lm = policy_loss(logp, old_logp, adv, x["loss_mask"], cfg.clip_low, cfg.clip_high,
-                                       cfg.dual_clip or None, cfg.agg, old.get(("ref", bi)), cfg.kl_coef,
-                                       n_tokens=n_tokens, n_seqs=n_seqs,
-                                       seq_tokens=torch.tensor([seq_tokens.get(dist.seq_key(s), 0.0) for s in b],
-                                                               device=device))
-                (loss * dist.DIST.world).backward()  # DDP / FSDP2 average over ranks; the global loss is the sum
-            total += loss.item()
-            w = x["loss_mask"].sum().item() / n_tokens
-            # the sampled tokens' mean -log p: at the sampling temperature, an estimate of the policy's entropy
-            lm["entropy"] = -(logp.detach() * x["loss_mask"]).sum().item() / max(x["loss_mask"].sum().item(), 1.0)
-            for k in stats:
-                stats[k] += lm[k] * w / cfg.ppo_epochs
-        total = dist.all_sum([total])[0]
-        gn = dist.grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        if not (math.isfinite(total) and torch.isfinite(gn)):
+        losses, norms = [], []
+        for mi, batches in enumerate(parts):
+            n_tokens, n_seqs, seq_tokens = dens[mi]["n_tokens"], dens[mi]["n_seqs"], dens[mi]["seq_tokens"]
+            if not n_tokens:        # a mini-batch without policy tokens on any rank: no step
+                continue
             optimizer.zero_grad(set_to_none=True)
-            m["skipped"] = f"non-finite loss {total} or grad norm {gn.item()}"
-            break
-        optimizer.step()
-        m.update(loss=total, grad_norm=gn.item())
+            total = 0.0
+            for bi, b in enumerate(batches):
+                x = collate(b, pad_id, device)
+                adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"], cfg.mem_weight)
+                with dist.grad_sync(model, bi == len(batches) - 1):
+                    with autocast(cfg.precision, device):
+                        logp = token_logprobs(train_model, x["ids"], x["attn"], cfg.temperature)
+                    old_logp = old.get(("old", mi, bi), logp.detach())
+                    loss, lm = policy_loss(logp, old_logp, adv, x["loss_mask"], cfg.clip_low, cfg.clip_high,
+                                           cfg.dual_clip or None, cfg.agg, old.get(("ref", mi, bi)), cfg.kl_coef,
+                                           n_tokens=n_tokens, n_seqs=n_seqs,
+                                           seq_tokens=torch.tensor([seq_tokens.get(dist.seq_key(s), 0.0) for s in b],
+                                                                   device=device))
+                    (loss * dist.DIST.world).backward()  # DDP / FSDP2 average over ranks; the global loss is the sum
+                total += loss.item()
+                w = x["loss_mask"].sum().item() / n_all
+                # the sampled tokens' mean -log p: at the sampling temperature, an estimate of the policy's entropy
+                lm["entropy"] = -(logp.detach() * x["loss_mask"]).sum().item() / max(x["loss_mask"].sum().item(), 1.0)
+                for k in stats:
+                    stats[k] += lm[k] * w / cfg.ppo_epochs
+            total = dist.all_sum([total])[0]
+            gn = dist.grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            if not (math.isfinite(total) and torch.isfinite(gn)):
+                optimizer.zero_grad(set_to_none=True)
+                m["skipped"] = f"non-finite loss {total} or grad norm {gn.item()}"
+                return m | dict(zip(stats, dist.all_sum(list(stats.values()))))
+            optimizer.step()
+            losses.append(total)
+            norms.append(gn.item())
+        if losses:      # the last pass's mean over its optimizer steps
+            m.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms))
     return m | dict(zip(stats, dist.all_sum(list(stats.values()))))
 
 
