@@ -2,8 +2,9 @@
 
 A run folder holds ``config.json`` (the run's Config), ``metrics.jsonl`` (one JSON row per logged step),
 ``ckpt/`` (the newest checkpoint), ``sft/`` (the model when SFT ended), ``ref/`` (the KL reference,
-``--kl-coef`` > 0) and ``final/``. Every model folder is ``save_pretrained`` + the tokenizer + the system
-prompt it was trained with (``system_prompt.txt``, read back by ``rollout.checkpoint_prompt``).
+``--kl-coef`` > 0), ``base/`` (what LoRA adapters sit on) and ``final/``. Every model folder is
+``save_pretrained`` + the tokenizer + the system prompt it was trained with (``system_prompt.txt``, read back
+by ``rollout.checkpoint_prompt``).
 
 * A checkpoint (model + ``trainer.pt``: optimizer, stage + step, torch RNG) is written to ``PATH.tmp`` and
   renamed into place, so a kill leaves either the old or the new one. Data order depends only on
@@ -14,6 +15,10 @@ prompt it was trained with (``system_prompt.txt``, read back by ``rollout.checkp
 * The KL reference is the policy RL started from, saved once as ``RUN/ref`` when RL starts and loaded
   from there by every run, fresh or resumed: a resumed run pulls towards the same policy as an
   uninterrupted one (a copy of the current model would be the step-s checkpoint).
+* LoRA (``--lora-rank``): RL trains adapters over the policy it starts from, saved once as ``RUN/base``; a
+  checkpoint holds the adapters and the optimizer over them (``load_checkpoint`` puts them back on RUN/base),
+  the KL reference is RUN/base itself (the adapters switched off: no second copy, no ``RUN/ref``), and
+  ``final/`` is the merged plain model.
 * Under torchrun every rank calls the savers (FSDP2 gathers the full state, ``dist.full_state``) and
   rank 0 writes; a checkpoint is in the single-process format, so a run resumes with any world size.
 """
@@ -24,9 +29,10 @@ import os
 import shutil
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dist
+from models import AdaptersOff, attach_lora, is_lora, load_lora, load_pretrained
 
 def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_prompt: str) -> None:
     """Atomic checkpoint: write to ``path.tmp`` then rename over ``path``. Torchrun: every rank calls it
@@ -111,21 +117,46 @@ def write_config(run: str, config: dict) -> None:
             json.dump(config, f, indent=1)
 
 
+# --------------------------------------------------------------------------- LoRA
+
+def save_folder(path: str, model) -> None:
+    """``model.save_pretrained(path)`` atomically (``path.tmp``, then renamed) by rank 0; every rank waits for it."""
+    if dist.DIST.rank == 0:         # torchrun: one writer, the others wait for it (all_sum is the barrier)
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    dist.all_sum([0.0])
+
+
+def lora_policy(model, run: str, rank: int, alpha: int, targets: str, seed: int):
+    """The policy RL trains under ``--lora-rank``: ``model`` saved as ``RUN/base`` (what a resumed run puts the
+    checkpoint's adapters back on), then under fresh adapters."""
+    save_folder(os.path.join(run, "base"), model)
+    return attach_lora(model, rank, alpha, targets, seed)
+
+
+def load_checkpoint(run: str, device: torch.device):
+    """(model, tokenizer) of ``RUN/ckpt``: a full model, or LoRA adapters put back on ``RUN/base``."""
+    path = os.path.join(run, "ckpt")
+    if os.path.exists(os.path.join(path, "adapter_config.json")):
+        return load_lora(os.path.join(run, "base"), path, device), AutoTokenizer.from_pretrained(path)
+    return load_pretrained(path, device)
+
+
 def reference_model(model, run: str, start: int):
     """The KL reference = the policy RL started from: saved as ``RUN/ref`` at RL step 0, always loaded from there.
 
     On ``--resume`` (start > 0) ``model`` is the step-s checkpoint, so the reference must come from disk.
-    It is loaded in the policy's dtype, so at step 0 the KL is exactly 0.
+    It is loaded in the policy's dtype, so at step 0 the KL is exactly 0. A LoRA policy's reference is its own
+    frozen base (``RUN/base``, the policy RL started from), the same module with the adapters off.
     """
+    if is_lora(model):
+        return AdaptersOff(model)
     path = os.path.join(run, "ref")
     if start == 0:                      # RL starts (or restarts before its first checkpoint): this is the reference
-        if dist.DIST.rank == 0:         # torchrun: one writer, the others wait for it (all_sum is the barrier)
-            tmp = path + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
-        dist.all_sum([0.0])
+        save_folder(path, model)
     elif not os.path.isdir(path):
         raise SystemExit(f"--kl-coef > 0 on --resume needs the KL reference {path}, saved when RL started")
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype,

@@ -55,7 +55,7 @@ import viz
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, micro_batches, policy_loss,
                   token_advantages, token_logprobs)
 from memory import extract_mem
-from models import autocast, load_pretrained
+from models import LORA_TARGETS, autocast, is_lora, load_pretrained
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
 from search import SearchTool, open_search
@@ -150,6 +150,12 @@ class Config:
     # padded tokens per micro-batch; on CPU 2048 beats 4096 (less padding; results/STUDIES.md)
     micro_tokens: int = flag(2048, "token budget of one update micro-batch")
     grad_clip: float = flag(1.0, "max grad norm")
+    # LoRA (peft): the base frozen and held once (the KL reference is it, adapters off); RUN/final is merged
+    lora_rank: int = flag(0, "RL trains LoRA adapters of this rank over the policy it starts from (0 = off: every "
+                             "weight trains; the SFT stage always trains every weight)")
+    lora_alpha: int = flag(32, "LoRA alpha: the adapters' update is scaled by alpha / rank")
+    lora_targets: str = flag(LORA_TARGETS, "comma-separated module names that get adapters (default: every attention"
+                                           " and MLP projection of Llama / Qwen2 / Qwen3)")
     threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)")
     mem_mask: str = flag(MEM_MASK, "separate (the paper's: each P over its own confident tokens) | full (both "
                                    "over P_full's)")
@@ -213,6 +219,8 @@ def parse_args(argv=None, config=Config):
                 f"python -m recipes.memalpha)")
     if cfg.ppo_minibatches < 1 or cfg.ppo_epochs < 1:
         p.error("--ppo-epochs and --ppo-minibatches are at least 1")
+    if cfg.lora_rank and cfg.fsdp:
+        p.error("--lora-rank with --fsdp is not supported: LoRA under torchrun runs with DDP (the default)")
     if cfg.outcome_norm not in ("std", "none"):
         p.error(f"--outcome-norm {cfg.outcome_norm}: choose std or none")
     if cfg.faithful:
@@ -501,7 +509,8 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
     (``rl_step``, or a recipe's step), a greedy K=4 check every ``--eval-every`` steps when ``validate``, a
     checkpoint every ``--save-every``."""
     ref_model = None
-    logged = cfg.log_kl and not dist.DIST.fsdp and (start == 0 or os.path.isdir(os.path.join(cfg.run, "ref")))
+    logged = cfg.log_kl and not dist.DIST.fsdp and (start == 0 or is_lora(model)
+                                                    or os.path.isdir(os.path.join(cfg.run, "ref")))
     if cfg.kl_coef > 0 or logged:       # logged: how far RL moved, as "kl" (a run resumed from before it: none)
         if dist.DIST.fsdp:
             raise SystemExit("--kl-coef > 0 with --fsdp is not supported (the reference model would need its own sharding)")
@@ -552,7 +561,7 @@ def load_policy(cfg: Config, device: torch.device):
         if state.get("precision", cfg.precision) != cfg.precision:       # the same forward as before the kill
             print(f"--precision {cfg.precision} ignored: resuming in the run's {state['precision']}")
             cfg.precision = state["precision"]
-        (model, tokenizer), prompt = load_pretrained(ckpt, device), checkpoint_prompt(ckpt)
+        (model, tokenizer), prompt = checkpoint.load_checkpoint(cfg.run, device), checkpoint_prompt(ckpt)
         print(f"resuming {state['stage']} at step {state['step']} from {ckpt}")
     elif cfg.model:
         try:
@@ -587,7 +596,10 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
             torch.set_rng_state(trainer["torch_rng"])
         cold_start(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, prompt, trajectories)
         state, trainer = {"stage": "rl", "step": 0}, None
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    if cfg.lora_rank and not is_lora(model):     # RL starts here: adapters over the policy SFT left (or --model)
+        model = checkpoint.lora_policy(model, cfg.run, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+        model = dist.wrap_for_training(model, model.device)     # torchrun: DDP rebuilt over the adapters alone
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     if trainer is not None and state["stage"] == "rl":
         dist.load_optimizer(model, opt, trainer["optimizer"])
         torch.set_rng_state(trainer["torch_rng"])
@@ -595,6 +607,8 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
         before_rl()
     if cfg.rl_steps > 0:
         run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, take_step, prompt, validate)
+    if is_lora(model):
+        model = model.merge_and_unload()        # RUN/final: one plain transformers model, adapters merged in
     model_sd, _ = dist.full_state(model, None)
     if dist.DIST.rank == 0:
         checkpoint.save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd)
