@@ -162,8 +162,8 @@ def test_two_ranks_update_and_rollouts_equal_one_process(tmp_path):
     # LoRA under DDP: the single process's LoRA update, the same weights on both ranks
     model = models.attach_lora(tiny_model(tok), 4, 8)
     cfg = train.parse_args(UPDATE_ARGS)
-    ref_m = train.ppo_update(model, None, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr),
-                             samples(), cfg, tok.pad_token_id)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ref_m = train.ppo_update(model, None, torch.optim.SGD(trainable, lr=cfg.lr), samples(), cfg, tok.pad_token_id)
     (params, m), (params1, _) = r0["lora"], r1["lora"]
     assert abs(m["loss"] - ref_m["loss"]) < 1e-5 and abs(m["grad_norm"] - ref_m["grad_norm"]) < 1e-5
     for k, v in model.state_dict().items():
