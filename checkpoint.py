@@ -19,6 +19,8 @@ by ``rollout.checkpoint_prompt``).
   checkpoint holds the adapters and the optimizer over them (``load_checkpoint`` puts them back on RUN/base),
   the KL reference is RUN/base itself (the adapters switched off: no second copy, no ``RUN/ref``), and
   ``final/`` is the merged plain model.
+* ``--report-to tensorboard,wandb``: every metrics row's numbers also go there as ``stage/key`` scalars at the
+  row's step (``open_reporters``; tensorboard in ``RUN/tb``, wandb offline unless ``WANDB_MODE`` says otherwise).
 * Under torchrun every rank calls the savers (FSDP2 gathers the full state, ``dist.full_state``) and
   rank 0 writes; a checkpoint is in the single-process format, so a run resumes with any world size.
 """
@@ -68,10 +70,59 @@ def save_model(path: str, model, tokenizer, system_prompt: str, state_dict: dict
 
 
 def log_jsonl(path: str, row: dict) -> None:
+    """Append ``row`` to the metrics file (rank 0), and its numbers to every ``--report-to`` logger."""
     if dist.DIST.rank != 0:       # torchrun: rank 0 writes the (already reduced) metrics
         return
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+    for log, _ in REPORTERS:
+        log(row)
+
+
+REPORTERS: list = []     # (log(row), close()) of each --report-to backend (open_reporters)
+
+
+def row_scalars(row: dict) -> dict[str, float]:
+    """Every number of a metrics row, named ``stage/key`` (a stage counts its own steps; the step is the x axis)."""
+    return {f"{row['stage']}/{k}": float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+
+
+def open_reporters(run: str, report_to: str, config: dict) -> None:
+    """The ``--report-to`` loggers (comma-separated: ``tensorboard``, ``wandb``; ``none``) of this run, each
+    given the run's name and config, in place of any open ones; each package is imported only when asked for."""
+    for _, close in REPORTERS:
+        close()
+    REPORTERS.clear()
+    name = os.path.basename(os.path.normpath(run))
+    for backend in report_to.split(","):
+        if backend == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise SystemExit("--report-to tensorboard needs the tensorboard package: pip install tensorboard") \
+                    from None
+            tb = SummaryWriter(os.path.join(run, "tb"))
+            tb.add_text("config", f"run {name}\n\n    " + json.dumps(config, indent=1).replace("\n", "\n    "))
+
+            def log(row, tb=tb):
+                for tag, value in row_scalars(row).items():
+                    tb.add_scalar(tag, value, row["step"])
+                tb.flush()          # a killed run keeps every row it logged
+            REPORTERS.append((log, tb.close))
+        elif backend == "wandb":
+            try:
+                import wandb
+            except ImportError:
+                raise SystemExit("--report-to wandb needs the wandb package: pip install wandb") from None
+            os.environ.setdefault("WANDB_MODE", "offline")      # no network unless the user asks for it
+            wb = wandb.init(project=os.environ.get("WANDB_PROJECT", "mempo"), name=name, dir=run, config=config)
+
+            def log(row, wb=wb, stages=set()):
+                if row["stage"] not in stages:   # each stage on its own step axis (SFT steps, then RL from 0)
+                    stages.add(row["stage"])
+                    wb.define_metric(f"{row['stage']}/*", step_metric=f"{row['stage']}/step")
+                wb.log(row_scalars(row) | {f"{row['stage']}/step": row["step"]})
+            REPORTERS.append((log, wb.finish))
 
 
 STAGE_ORDER = {"sft": 0, "memtrain_warmup": 1, "rl": 2, "memtrain": 2}    # a row's stage -> when it is logged
@@ -111,10 +162,17 @@ def check_run(run: str, resuming: bool) -> str:
 
 
 def write_config(run: str, config: dict) -> None:
-    """``RUN/config.json``: the run's Config (rank 0); eval.py reads the memory reward's settings from it."""
+    """``RUN/config.json``: the run's Config (rank 0); eval.py reads the memory reward's settings from it. Every
+    script calls it once at its start, so it also opens the ``--report-to`` loggers."""
     if dist.DIST.rank == 0:
         with open(os.path.join(run, "config.json"), "w") as f:
             json.dump(config, f, indent=1)
+        open_reporters(run, config.get("report_to", "none"), config)
+
+
+def close_reporters() -> None:
+    """Flush and close the ``--report-to`` loggers (the end of a run)."""
+    open_reporters("", "none", {})
 
 
 # --------------------------------------------------------------------------- LoRA

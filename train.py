@@ -187,6 +187,8 @@ class Config:
     eval_every: int = flag(20, "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)")
     eval_tasks: int = flag(32, "tasks per K in the periodic eval")
     resume: bool = flag(False, "continue from RUN/ckpt")
+    report_to: str = flag("none", "none | tensorboard | wandb, comma-separated for several: each metrics row's "
+                                  "numbers also as scalars (RUN/tb; wandb offline unless WANDB_MODE is set)")
     # torchrun (dist.py)
     fsdp: bool = flag(False, "torchrun only: shard the model with FSDP2 (each decoder layer, then the root) instead "
                              "of DDP")
@@ -221,6 +223,8 @@ def parse_args(argv=None, config=Config):
         p.error("--ppo-epochs and --ppo-minibatches are at least 1")
     if cfg.lora_rank and cfg.fsdp:
         p.error("--lora-rank with --fsdp is not supported: LoRA under torchrun runs with DDP (the default)")
+    if not set(cfg.report_to.split(",")) <= {"none", "tensorboard", "wandb"}:
+        p.error(f"--report-to {cfg.report_to}: choose none, tensorboard, wandb (comma-separated for several)")
     if cfg.outcome_norm not in ("std", "none"):
         p.error(f"--outcome-norm {cfg.outcome_norm}: choose std or none")
     if cfg.faithful:
@@ -613,6 +617,7 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
     if dist.DIST.rank == 0:
         checkpoint.save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd)
         print(f"saved {cfg.run}/final")
+    checkpoint.close_reporters()
     dist.close()
 
 
