@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -413,9 +414,23 @@ def test_report_to_tensorboard_holds_every_number_of_metrics_jsonl(tmp_path):
     assert "config/text_summary" in events.Tags()["tensors"]
 
 
-def test_report_to_wandb_without_the_package_stops_in_one_line(tmp_path, monkeypatch):
+def test_report_to_wandb_logs_offline_and_without_the_package_stops_in_one_line(tmp_path, monkeypatch):
+    """wandb is not installed here: a stand-in module records the calls (offline by default, the run's name and
+    config, each stage on its own step axis); without any module, one line says what to install."""
+    calls = []
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw, os.environ.get("WANDB_MODE"))) or fake,
+                                 define_metric=lambda *a, **kw: calls.append(("axis", a, kw)),
+                                 log=lambda row: calls.append(("log", row)), finish=lambda: calls.append(("finish",)))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    train.main(["--run", str(tmp_path / "run"), "--report-to", "wandb"] + TINY)
+    (_, init, mode), logs = calls[0], [c[1] for c in calls if c[0] == "log"]
+    assert mode == "offline" and init["name"] == "run" and init["config"]["report_to"] == "wandb"
+    assert ("axis", ("sft/*",), {"step_metric": "sft/step"}) in calls and calls[-1] == ("finish",)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(r["sft/step"], r["sft/loss"]) for r in logs] == [(r["step"], r["loss"]) for r in rows]
     monkeypatch.setitem(sys.modules, "wandb", None)       # as if not installed
     with pytest.raises(SystemExit, match="pip install wandb"):
-        train.main(["--run", str(tmp_path / "run"), "--report-to", "wandb"] + TINY)
+        train.main(["--run", str(tmp_path / "run2"), "--report-to", "wandb"] + TINY)
     with pytest.raises(SystemExit):
         train.parse_args(["--report-to", "tensorboard,mlflow"])
