@@ -417,6 +417,22 @@ def minibatch_split(samples: list[Sample], n: int) -> list[list[Sample]]:
     return [[s for s in samples if part[dist.seq_key(s)] == j] for j in range(n)]
 
 
+def fixed_logprobs(policy, ref_model, parts: list[list[list[Sample]]], cfg: Config, pad_id: int,
+                   device: torch.device) -> dict:
+    """No-grad log-probs (B, T) of micro-batch ``bi`` of mini-batch ``mi``, before the first optimizer step:
+    ``("old", mi, bi)`` of ``policy`` (the off-policy ratio's denominator), ``("ref", mi, bi)`` of ``ref_model``
+    (the KL reference); a None model gives none."""
+    out = {}
+    with torch.no_grad(), autocast(cfg.precision, device):
+        for mi, batches in enumerate(parts):
+            for bi, b in enumerate(batches):
+                x = collate(b, pad_id, device)
+                for key, m in (("old", policy), ("ref", ref_model)):
+                    if m is not None:
+                        out[(key, mi, bi)] = token_logprobs(m, x["ids"], x["attn"], cfg.temperature)
+    return out
+
+
 def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
     """Clipped PPO on round samples: ``--ppo-minibatches`` optimizer steps per pass (whole trajectories each),
     micro-batches sorted by length, each mini-batch's whole token count as denominator.
@@ -445,14 +461,7 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
     off_policy = cfg.ppo_epochs > 1 or len(parts) > 1
     old = {}
     if off_policy or ref_model is not None:
-        with torch.no_grad(), autocast(cfg.precision, device):
-            for mi, batches in enumerate(parts):
-                for bi, b in enumerate(batches):
-                    x = collate(b, pad_id, device)
-                    if off_policy:
-                        old[("old", mi, bi)] = token_logprobs(model, x["ids"], x["attn"], cfg.temperature)
-                    if ref_model is not None:
-                        old[("ref", mi, bi)] = token_logprobs(ref_model, x["ids"], x["attn"], cfg.temperature)
+        old = fixed_logprobs(model if off_policy else None, ref_model, parts, cfg, pad_id, device)
     model.train()
     stats = {"clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "entropy": 0.0}
     for epoch in range(cfg.ppo_epochs):
