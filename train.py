@@ -12,7 +12,8 @@ One RL step:
     advantage  A_T grouped per question; A_M pooled per question over      (grpo.py)
                trajectories and rounds, written on each round's <mem> span
     update     clipped PPO loss, micro-batches sorted by length, gradient accumulation with
-               the WHOLE batch's token count as denominator, AdamW, grad-norm clipping
+               the WHOLE batch's token count as denominator (each mini-batch's with --ppo-minibatches),
+               AdamW, grad-norm clipping
 
 Every round is a training sample ``context + forced prefix + output`` (loss mask 1 on output).
 Choices of this project (measured: results/STUDIES.md):
@@ -31,7 +32,8 @@ Choices of this project (measured: results/STUDIES.md):
    lr-1e-6 update away for most weights.
 6. ``--agg seq-mean-token-mean`` averages per trajectory (the paper's Eq. 10) although every round is a row:
    a row's loss is divided by its trajectory's policy-token count (grpo.policy_loss, ``seq_tokens``).
-Checkpoints, ``--resume`` and the KL reference: checkpoint.py. torchrun: dist.py. The SFT cold start and its
+Checkpoints, ``--resume``, the KL reference, LoRA's run folder and ``--report-to``: checkpoint.py (LoRA itself:
+models.py). torchrun: dist.py. The SFT cold start and its
 probe rows: sft.py. The system prompt: the embedded world's, ``rollout.PROTOCOL_PROMPT`` for a model from
 elsewhere, a checkpoint's ``system_prompt.txt`` or ``--system-prompt FILE``. Other recipes: recipes/.
 """
