@@ -611,7 +611,7 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
             torch.set_rng_state(trainer["torch_rng"])
         cold_start(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, prompt, trajectories)
         state, trainer = {"stage": "rl", "step": 0}, None
-    if cfg.lora_rank and not is_lora(model):     # RL starts here: adapters over the policy SFT left (or --model)
+    if cfg.lora_rank and cfg.rl_steps > 0 and not is_lora(model):    # RL starts: adapters over SFT's (or --model's)
         model = checkpoint.lora_policy(model, cfg.run, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
         model = dist.wrap_for_training(model, model.device)     # torchrun: DDP rebuilt over the adapters alone
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
