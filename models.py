@@ -9,6 +9,8 @@ instruct model this project reaches without a model hub). Choices, with their re
    (``autocast``): AdamW stepping bf16 weights directly rounds an lr-1e-6 update away. Evaluation loads
    bf16 weights on CUDA (no optimizer to feed).
 3. flash-attention-2 on CUDA when ``flash_attn`` imports, else SDPA.
+4. LoRA (``--lora-rank``) through ``peft``, the field's library, imported only then: the base stays frozen and
+   in memory once, since the KL reference is that same model with its adapters switched off (``AdaptersOff``).
 The tiny embedded model and its tokenizer are built in data.py; the system prompt a checkpoint carries is
 ``rollout.checkpoint_prompt`` (with the protocol prompt it falls back to).
 """
@@ -119,3 +121,50 @@ def autocast(precision: str, device: torch.device):
     """
     on = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+
+
+# Llama / Qwen2 / Qwen3 (and SmolLM2, the tiny embedded model): every attention and MLP projection
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def _peft():
+    try:
+        import peft     # optional: only --lora-rank > 0 needs it
+    except ImportError:
+        raise SystemExit("--lora-rank needs the peft package: pip install peft==0.21.2") from None
+    return peft
+
+
+def attach_lora(model, rank: int, alpha: int, targets: str = LORA_TARGETS, seed: int = 0):
+    """``model`` under peft LoRA adapters of ``rank`` on the modules named in ``targets`` (comma-separated): the
+    base frozen, only the adapters trainable. B starts at 0, so the policy's logits are the base's exactly."""
+    peft = _peft()
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets.split(","),
+                             task_type="CAUSAL_LM")
+    with torch.random.fork_rng():       # A's random init draws from its own seed, not from the run's stream
+        torch.manual_seed(seed)
+        return peft.get_peft_model(model, config)
+
+
+def load_lora(base: str, adapters: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """The base model folder with the trainable adapters of folder ``adapters`` (``save_pretrained`` of a LoRA
+    policy) on top."""
+    return _peft().PeftModel.from_pretrained(load_model(base, device, dtype), adapters, is_trainable=True).to(device)
+
+
+def is_lora(model) -> bool:
+    """A peft model (LoRA adapters over a frozen base)."""
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+class AdaptersOff:
+    """The frozen base under a LoRA policy, as a model to call: the SAME module with its adapters switched off
+    for each forward (``disable_adapter``), so the base costs no second copy."""
+
+    def __init__(self, model):
+        self.model = model
+        self.device, self.dtype, self.config = model.device, model.dtype, model.config
+
+    def __call__(self, *args, **kwargs):
+        with self.model.disable_adapter():
+            return self.model(*args, **kwargs)

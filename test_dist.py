@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import data
 import dist
 import grpo
+import models
 import train
 from rollout import AgentConfig
 
@@ -98,6 +99,15 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     dist.load_optimizer(model, opt2, whole[0])
     _, osd2 = dist.full_state(model, opt2)
     res["adam"] = (osd, osd2)
+    # LoRA under DDP as train_policy builds it: the plain model wrapped first (main), then DDP rebuilt over the
+    # adapters when RL starts; the base is frozen, every adapter gets a gradient (no find_unused_parameters)
+    dist.DIST.fsdp, dist.DIST.ddp = False, None
+    model = dist.wrap_for_training(tiny_model(tok), torch.device("cpu"))
+    model = dist.wrap_for_training(models.attach_lora(model, 4, 8), torch.device("cpu"))
+    c = train.parse_args(UPDATE_ARGS)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    m = train.ppo_update(model, None, torch.optim.SGD(trainable, lr=c.lr), split(samples(), rank), c, tok.pad_token_id)
+    res["lora"] = ({k: v.clone() for k, v in model.state_dict().items()}, m)
     # a non-finite loss on rank 1 only: every rank skips the step, no weight moves
     dist.DIST.fsdp, dist.DIST.ddp = False, None
     model = dist.wrap_for_training(tiny_model(tok), torch.device("cpu"))
@@ -149,6 +159,15 @@ def test_two_ranks_update_and_rollouts_equal_one_process(tmp_path):
             if mode == "ddp":       # replicated: rank 1 holds the same weights
                 for k, v in r1[(mode, agg)][0].items():
                     assert torch.allclose(v, params[k], atol=1e-7)
+    # LoRA under DDP: the single process's LoRA update, the same weights on both ranks
+    model = models.attach_lora(tiny_model(tok), 4, 8)
+    cfg = train.parse_args(UPDATE_ARGS)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ref_m = train.ppo_update(model, None, torch.optim.SGD(trainable, lr=cfg.lr), samples(), cfg, tok.pad_token_id)
+    (params, m), (params1, _) = r0["lora"], r1["lora"]
+    assert abs(m["loss"] - ref_m["loss"]) < 1e-5 and abs(m["grad_norm"] - ref_m["grad_norm"]) < 1e-5
+    for k, v in model.state_dict().items():
+        assert torch.allclose(params[k], v, atol=1e-6) and torch.equal(params1[k], params[k]), k
     assert r0["nan_skipped"] and r1["nan_skipped"]
     assert "1 other rank(s) failed" in r0["error"] and "KeyError('bad batch')" == r1["error"]
     # AdamW state gathered from FSDP2 = the single-process optimizer's state after the same update

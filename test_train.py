@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -393,3 +394,44 @@ def test_rl_step_with_entry_reward_logs_the_entry_score(sft_run):
     assert 0.0 <= m["entry_score"] <= 1.0 and m["mem_rounds"] > 0
     assert "entry_score" not in train.rl_step(model, None, tok, opt, train.parse_args(RL_ARGS + ["--algo", "mempo"]),
                                               1, train.agent_config(cfg))
+
+
+def test_report_to_tensorboard_holds_every_number_of_metrics_jsonl(tmp_path):
+    """--report-to tensorboard: each row's numbers as ``stage/key`` scalars at the row's step, SFT rows and RL rows,
+    read back with tensorboard's own reader; the run's config as text."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = tmp_path / "run"
+    train.main(["--run", str(run), "--report-to", "tensorboard"] + TINY
+               + ["--rl-steps", "2", "--questions", "2", "--group", "2", "--max-turns", "2", "--max-new-tokens", "12"])
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert {r["stage"] for r in rows} == {"sft", "rl"}
+    want = {(f"{r['stage']}/{k}", r["step"]): float(v) for r in rows for k, v in r.items()
+            if k != "step" and isinstance(v, (int, float))}
+    events = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    got = {(tag, e.step): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
+    assert got.keys() == want.keys()
+    assert all(got[k] == pytest.approx(v, rel=1e-6, abs=1e-30) for k, v in want.items())     # stored as float32
+    assert "config/text_summary" in events.Tags()["tensors"]
+
+
+def test_report_to_wandb_logs_offline_and_without_the_package_stops_in_one_line(tmp_path, monkeypatch):
+    """wandb is not installed here: a stand-in module records the calls (offline by default, the run's name and
+    config, each stage on its own step axis); without any module, one line says what to install."""
+    calls = []
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw, os.environ.get("WANDB_MODE"))) or fake,
+                                 define_metric=lambda *a, **kw: calls.append(("axis", a, kw)),
+                                 log=lambda row: calls.append(("log", row)), finish=lambda: calls.append(("finish",)))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    train.main(["--run", str(tmp_path / "run"), "--report-to", "wandb"] + TINY)
+    (_, init, mode), logs = calls[0], [c[1] for c in calls if c[0] == "log"]
+    assert mode == "offline" and init["name"] == "run" and init["config"]["report_to"] == "wandb"
+    assert ("axis", ("sft/*",), {"step_metric": "sft/step"}) in calls and calls[-1] == ("finish",)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(r["sft/step"], r["sft/loss"]) for r in logs] == [(r["step"], r["loss"]) for r in rows]
+    monkeypatch.setitem(sys.modules, "wandb", None)       # as if not installed
+    with pytest.raises(SystemExit, match="pip install wandb"):
+        train.main(["--run", str(tmp_path / "run2"), "--report-to", "wandb"] + TINY)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--report-to", "tensorboard,mlflow"])

@@ -130,3 +130,51 @@ def test_non_finite_update_is_skipped_and_weights_untouched():
                          tok.pad_token_id)
     assert m["skipped"].startswith("non-finite")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that keeps the gradient it stepped with, each step."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_each_minibatch_is_one_optimizer_step_over_its_own_token_counts(agg):
+    """Two mini-batches: two optimizer steps, the first one's gradient that of the naive loss over the first
+    mini-batch ALONE (its own token / trajectory counts as denominators); one mini-batch is the whole-batch step."""
+    samples = hand_built_samples(n=8, seed=2)
+    for i, s in enumerate(samples):
+        s.traj = [0, 0, 0, 1, 1, 2, 3, 3][i]
+    parts = train.minibatch_split(samples, 2)
+    assert [sorted({s.traj for s in p}) for p in parts] == [[0, 1], [2, 3]]      # whole trajectories, in order
+    assert train.minibatch_split(samples, 1) == [samples]
+    tok = data.build_tokenizer()
+    for n, first in ((1, samples), (2, parts[0])):
+        model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, seed=0)
+        cfg = train.parse_args(["--agg", agg, "--micro-tokens", "40", "--grad-clip", "1e9", "--temperature", "1",
+                                "--ppo-minibatches", str(n)])
+        opt = CountingSGD(model.parameters(), lr=1.0)
+        m = train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
+        assert "skipped" not in m and len(opt.grads) == n
+        for a, g in zip(opt.grads[0], _naive_gradient(first, agg)):
+            assert torch.allclose(a, g, atol=1e-6), (a - g).abs().max()
+
+
+def test_the_clip_acts_from_the_second_minibatch_on():
+    tok = data.build_tokenizer()
+    samples = hand_built_samples(n=8, seed=1)
+    for i, s in enumerate(samples):
+        s.traj = i
+    ratios = {}
+    for n in (1, 2):
+        model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+        cfg = train.parse_args(["--lr", "3e-2", "--ppo-minibatches", str(n)])
+        ratios[n] = train.ppo_update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr), samples, cfg,
+                                     tok.pad_token_id)
+    assert ratios[1]["clip_frac"] == 0.0 and ratios[2]["clip_frac"] > 0

@@ -12,7 +12,8 @@ One RL step:
     advantage  A_T grouped per question; A_M pooled per question over      (grpo.py)
                trajectories and rounds, written on each round's <mem> span
     update     clipped PPO loss, micro-batches sorted by length, gradient accumulation with
-               the WHOLE batch's token count as denominator, AdamW, grad-norm clipping
+               the WHOLE batch's token count as denominator (each mini-batch's with --ppo-minibatches),
+               AdamW, grad-norm clipping
 
 Every round is a training sample ``context + forced prefix + output`` (loss mask 1 on output).
 Choices of this project (measured: results/STUDIES.md):
@@ -21,18 +22,20 @@ Choices of this project (measured: results/STUDIES.md):
 2. The memory reward is the paper's own (``--mem-mask separate --mem-adv-norm std``, weight 1, no gate:
    what ``--faithful`` pins): once both probes are in distribution (reward.py, choice 1) it is the best of
    the variants measured on the validation worlds.
-3. One optimizer step per rollout batch (``--ppo-epochs 1``): ``old_logp`` is the detached ``logp`` of the
-   same forward (ratio 1, exactly on-policy), so no extra forward is spent.
+3. One optimizer step per rollout batch (``--ppo-epochs 1 --ppo-minibatches 1``): ``old_logp`` is the detached
+   ``logp`` of the same forward (ratio 1, exactly on-policy: REINFORCE with the group baseline, the clip never
+   acts), so no extra forward is spent. More epochs or mini-batches (verl's) take ``old_logp`` from a no-grad
+   forward first, and the clip acts from the second optimizer step on.
 4. A step whose advantages are all zero, or whose loss or gradient is not finite, is skipped with the
    reason in the metrics; the weights are untouched.
 5. fp32 weights, bf16 autocast on CUDA (``--precision``): AdamW stepping bf16 weights directly rounds an
    lr-1e-6 update away for most weights.
 6. ``--agg seq-mean-token-mean`` averages per trajectory (the paper's Eq. 10) although every round is a row:
    a row's loss is divided by its trajectory's policy-token count (grpo.policy_loss, ``seq_tokens``).
-Checkpoints, ``--resume`` and the KL reference: checkpoint.py. torchrun: dist.py. What each flag accepts:
-flags.py. The SFT cold start and its probe rows: sft.py. The system prompt: the embedded world's,
-``rollout.PROTOCOL_PROMPT`` for a model from elsewhere, a checkpoint's ``system_prompt.txt`` or
-``--system-prompt FILE``. Other recipes: recipes/.
+Checkpoints, ``--resume``, the KL reference, LoRA's run folder and ``--report-to``: checkpoint.py (LoRA itself:
+models.py). torchrun: dist.py. What each flag accepts: flags.py. The SFT cold start and its probe rows: sft.py.
+The system prompt: the embedded world's, ``rollout.PROTOCOL_PROMPT`` for a model from elsewhere, a checkpoint's
+``system_prompt.txt`` or ``--system-prompt FILE``. Other recipes: recipes/.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ from flags import FlagParser, flag
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, memory_pool_weights,
                   micro_batches, policy_loss, token_advantages, token_logprobs)
 from memory import extract_mem
-from models import autocast, load_pretrained
+from models import LORA_TARGETS, autocast, is_lora, load_pretrained
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
 from search import SearchTool, open_search
@@ -145,9 +148,17 @@ class Config:
     agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum",
                     choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
     ppo_epochs: int = flag(1, "update passes per batch", min=1)
+    ppo_minibatches: int = flag(1, "optimizer steps per pass: the batch cut into N mini-batches of whole trajectories "
+                                   "(> 1: the PPO clip acts from the second step on)", min=1)
     # padded tokens per micro-batch; on CPU 2048 beats 4096 (less padding; results/STUDIES.md)
     micro_tokens: int = flag(2048, "token budget of one update micro-batch", min=1)
     grad_clip: float = flag(1.0, "max grad norm", above=0)
+    # LoRA (peft): the base frozen and held once (the KL reference is it, adapters off); RUN/final is merged
+    lora_rank: int = flag(0, "RL trains LoRA adapters of this rank over the policy it starts from (0 = off: every "
+                             "weight trains; the SFT stage always trains every weight)", min=0)
+    lora_alpha: int = flag(32, "LoRA alpha: the adapters' update is scaled by alpha / rank", min=1)
+    lora_targets: str = flag(LORA_TARGETS, "comma-separated module names that get adapters (default: every attention"
+                                           " and MLP projection of Llama / Qwen2 / Qwen3)")
     threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)", min=0, max=1)
     mem_mask: str = flag(MEM_MASK, "separate (the paper's: each P over its own confident tokens) | full (both "
                                    "over P_full's)", choices=("separate", "full"))
@@ -181,6 +192,8 @@ class Config:
     eval_every: int = flag(20, "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", min=0)
     eval_tasks: int = flag(32, "tasks per K in the periodic eval", min=1)
     resume: bool = flag(False, "continue from RUN/ckpt")
+    report_to: str = flag("none", "none | tensorboard | wandb, comma-separated for several: each metrics row's "
+                                  "numbers also as scalars (RUN/tb; wandb offline unless WANDB_MODE is set)")
     # torchrun (dist.py)
     fsdp: bool = flag(False, "torchrun only: shard the model with FSDP2 (each decoder layer, then the root) instead "
                              "of DDP")
@@ -210,6 +223,12 @@ class Config:
                                     f"(no memory reward)")
         if self.entry_reward and self.data:
             warnings.append(f"--entry-reward {self.entry_reward}: unused with --data (it scores the embedded world)")
+        if self.lora_rank and self.fsdp:
+            errors.append(f"--lora-rank {self.lora_rank}: not with --fsdp (LoRA under torchrun runs with DDP, the "
+                          f"default)")
+        if not set(self.report_to.split(",")) <= {"none", "tensorboard", "wandb"}:
+            errors.append(f"--report-to {self.report_to}: choose none | tensorboard | wandb (comma-separated for "
+                          f"several)")
         return errors, warnings
 
 
@@ -435,64 +454,101 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
 
 # --------------------------------------------------------------------------- the update
 
-def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
-    """Clipped PPO on round samples: micro-batches sorted by length, whole-batch token count as denominator.
+def minibatch_split(samples: list[Sample], n: int) -> list[list[Sample]]:
+    """``samples`` cut into ``n`` PPO mini-batches of whole trajectories (in order): a trajectory's rows share
+    one optimizer step, so ``seq-mean-*`` sees each trajectory whole. ``n`` = 1: ``[samples]``, the same list."""
+    if n == 1:
+        return [samples]
+    keys = list(dict.fromkeys(dist.seq_key(s) for s in samples))
+    part = {k: i * n // len(keys) for i, k in enumerate(keys)}
+    return [[s for s in samples if part[dist.seq_key(s)] == j] for j in range(n)]
 
-    Skipped (weights untouched, the reason in the metrics) when every advantage is zero on every rank,
-    or when the loss or gradient norm is not finite. torchrun: the denominators and the loss are the
-    global batch's, each rank back-propagates loss * W (DDP / FSDP2 average over ranks)."""
+
+def fixed_logprobs(policy, ref_model, parts: list[list[list[Sample]]], cfg: Config, pad_id: int,
+                   device: torch.device) -> dict:
+    """No-grad log-probs (B, T) of micro-batch ``bi`` of mini-batch ``mi``, before the first optimizer step:
+    ``("old", mi, bi)`` of ``policy`` (the off-policy ratio's denominator), ``("ref", mi, bi)`` of ``ref_model``
+    (the KL reference); a None model gives none."""
+    out = {}
+    with torch.no_grad(), autocast(cfg.precision, device):
+        for mi, batches in enumerate(parts):
+            for bi, b in enumerate(batches):
+                x = collate(b, pad_id, device)
+                for key, m in (("old", policy), ("ref", ref_model)):
+                    if m is not None:
+                        out[(key, mi, bi)] = token_logprobs(m, x["ids"], x["attn"], cfg.temperature)
+    return out
+
+
+def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
+    """Clipped PPO on round samples: ``--ppo-minibatches`` optimizer steps per pass (whole trajectories each),
+    micro-batches sorted by length, each mini-batch's whole token count as denominator.
+
+    Skipped (weights untouched, the reason in the metrics) when every advantage is zero on every rank;
+    a non-finite loss or gradient norm stops the update before that optimizer step. torchrun: the
+    denominators and the loss are the global mini-batch's, each rank back-propagates loss * W (DDP / FSDP2
+    average over ranks)."""
     if not dist.all_sum([float(any(s.adv_t != 0 or s.adv_m != 0 for s in samples))])[0]:
         return {"skipped": "all advantages are zero"}
     m: dict = {}
-    batches = micro_batches(samples, cfg.micro_tokens)
-    real, padded = dist.all_sum([sum(len(s.ids) for s in samples), sum(len(b) * len(b[-1].ids) for b in batches)])
+    split = minibatch_split(samples, cfg.ppo_minibatches)
+    parts = [micro_batches(part, cfg.micro_tokens) for part in split]
+    real, padded = dist.all_sum([sum(len(s.ids) for s in samples),
+                                 sum(len(b) * len(b[-1].ids) for batches in parts for b in batches)])
     m["padding_waste"] = 1 - real / max(padded, 1)      # = grpo.padding_waste(batches), over every rank's batches
-    batches = dist.even_micro_batches(batches, pad_id)  # torchrun: the same count on every rank
-    n = dist.denominators(samples)                      # the GLOBAL batch's counts (all ranks)
-    n_tokens, n_seqs, seq_tokens = n["n_tokens"], n["n_seqs"], n["seq_tokens"]
+    parts = [dist.even_micro_batches(batches, pad_id) for batches in parts]  # torchrun: the same count on every rank
+    # each optimizer step's loss is the mean over ITS mini-batch (the GLOBAL one, all ranks): its own policy tokens
+    # and sequences as denominators, as if it were the whole batch; a denominator over the whole rollout batch
+    # would shrink every step's gradient by the number of mini-batches
+    dens = [dist.denominators(part) for part in split]
+    n_all = sum(n["n_tokens"] for n in dens)
     device = model.device
     train_model = dist.update_module(model)
+    # off-policy after the first optimizer step: every ratio is then taken to the logp before it
+    off_policy = cfg.ppo_epochs > 1 or len(parts) > 1
     old = {}
-    if cfg.ppo_epochs > 1 or ref_model is not None:
-        with torch.no_grad(), autocast(cfg.precision, device):
-            for bi, b in enumerate(batches):
-                x = collate(b, pad_id, device)
-                if cfg.ppo_epochs > 1:
-                    old[("old", bi)] = token_logprobs(model, x["ids"], x["attn"], cfg.temperature)
-                if ref_model is not None:
-                    old[("ref", bi)] = token_logprobs(ref_model, x["ids"], x["attn"], cfg.temperature)
+    if off_policy or ref_model is not None:
+        old = fixed_logprobs(model if off_policy else None, ref_model, parts, cfg, pad_id, device)
     model.train()
     stats = {"clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "entropy": 0.0}
     for epoch in range(cfg.ppo_epochs):
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for bi, b in enumerate(batches):
-            x = collate(b, pad_id, device)
-            adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"], cfg.mem_weight)
-            with dist.grad_sync(model, bi == len(batches) - 1):
-                with autocast(cfg.precision, device):
-                    logp = token_logprobs(train_model, x["ids"], x["attn"], cfg.temperature)
-                old_logp = old.get(("old", bi), logp.detach())
-                loss, lm = policy_loss(logp, old_logp, adv, x["loss_mask"], cfg.clip_low, cfg.clip_high,
-                                       cfg.dual_clip or None, cfg.agg, old.get(("ref", bi)), cfg.kl_coef,
-                                       n_tokens=n_tokens, n_seqs=n_seqs,
-                                       seq_tokens=torch.tensor([seq_tokens.get(dist.seq_key(s), 0.0) for s in b],
-                                                               device=device))
-                (loss * dist.DIST.world).backward()  # DDP / FSDP2 average over ranks; the global loss is the sum
-            total += loss.item()
-            w = x["loss_mask"].sum().item() / n_tokens
-            # the sampled tokens' mean -log p: at the sampling temperature, an estimate of the policy's entropy
-            lm["entropy"] = -(logp.detach() * x["loss_mask"]).sum().item() / max(x["loss_mask"].sum().item(), 1.0)
-            for k in stats:
-                stats[k] += lm[k] * w / cfg.ppo_epochs
-        total = dist.all_sum([total])[0]
-        gn = dist.grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        if not (math.isfinite(total) and torch.isfinite(gn)):
+        losses, norms = [], []
+        for mi, batches in enumerate(parts):
+            n_tokens, n_seqs, seq_tokens = dens[mi]["n_tokens"], dens[mi]["n_seqs"], dens[mi]["seq_tokens"]
+            if not n_tokens:        # a mini-batch without policy tokens on any rank: no step
+                continue
             optimizer.zero_grad(set_to_none=True)
-            m["skipped"] = f"non-finite loss {total} or grad norm {gn.item()}"
-            break
-        optimizer.step()
-        m.update(loss=total, grad_norm=gn.item())
+            total = 0.0
+            for bi, b in enumerate(batches):
+                x = collate(b, pad_id, device)
+                adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"], cfg.mem_weight)
+                with dist.grad_sync(model, bi == len(batches) - 1):
+                    with autocast(cfg.precision, device):
+                        logp = token_logprobs(train_model, x["ids"], x["attn"], cfg.temperature)
+                    old_logp = old.get(("old", mi, bi), logp.detach())
+                    loss, lm = policy_loss(logp, old_logp, adv, x["loss_mask"], cfg.clip_low, cfg.clip_high,
+                                           cfg.dual_clip or None, cfg.agg, old.get(("ref", mi, bi)), cfg.kl_coef,
+                                           n_tokens=n_tokens, n_seqs=n_seqs,
+                                           seq_tokens=torch.tensor([seq_tokens.get(dist.seq_key(s), 0.0) for s in b],
+                                                                   device=device))
+                    (loss * dist.DIST.world).backward()  # DDP / FSDP2 average over ranks; the global loss is the sum
+                total += loss.item()
+                w = x["loss_mask"].sum().item() / n_all
+                # the sampled tokens' mean -log p: at the sampling temperature, an estimate of the policy's entropy
+                lm["entropy"] = -(logp.detach() * x["loss_mask"]).sum().item() / max(x["loss_mask"].sum().item(), 1.0)
+                for k in stats:
+                    stats[k] += lm[k] * w / cfg.ppo_epochs
+            total = dist.all_sum([total])[0]
+            gn = dist.grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            if not (math.isfinite(total) and torch.isfinite(gn)):
+                optimizer.zero_grad(set_to_none=True)
+                m["skipped"] = f"non-finite loss {total} or grad norm {gn.item()}"
+                return m | dict(zip(stats, dist.all_sum(list(stats.values()))))
+            optimizer.step()
+            losses.append(total)
+            norms.append(gn.item())
+        if losses:      # the last pass's mean over its optimizer steps
+            m.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms))
     return m | dict(zip(stats, dist.all_sum(list(stats.values()))))
 
 
@@ -513,7 +569,8 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
     (``rl_step``, or a recipe's step), a greedy K=4 check every ``--eval-every`` steps when ``validate``, a
     checkpoint every ``--save-every``."""
     ref_model = None
-    logged = cfg.log_kl and not dist.DIST.fsdp and (start == 0 or os.path.isdir(os.path.join(cfg.run, "ref")))
+    logged = cfg.log_kl and not dist.DIST.fsdp and (start == 0 or is_lora(model)
+                                                    or os.path.isdir(os.path.join(cfg.run, "ref")))
     if cfg.kl_coef > 0 or logged:       # logged: how far RL moved, as "kl" (a run resumed from before it: none)
         if dist.DIST.fsdp:
             raise SystemExit("--kl-coef > 0 with --fsdp is not supported (the reference model would need its own sharding)")
@@ -564,7 +621,7 @@ def load_policy(cfg: Config, device: torch.device):
         if state.get("precision", cfg.precision) != cfg.precision:       # the same forward as before the kill
             print(f"--precision {cfg.precision} ignored: resuming in the run's {state['precision']}")
             cfg.precision = state["precision"]
-        (model, tokenizer), prompt = load_pretrained(ckpt, device), checkpoint_prompt(ckpt)
+        (model, tokenizer), prompt = checkpoint.load_checkpoint(cfg.run, device), checkpoint_prompt(ckpt)
         print(f"resuming {state['stage']} at step {state['step']} from {ckpt}")
     elif cfg.model:
         try:
@@ -599,7 +656,10 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
             torch.set_rng_state(trainer["torch_rng"])
         cold_start(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, prompt, trajectories)
         state, trainer = {"stage": "rl", "step": 0}, None
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    if cfg.lora_rank and cfg.rl_steps > 0 and not is_lora(model):    # RL starts: adapters over SFT's (or --model's)
+        model = checkpoint.lora_policy(model, cfg.run, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+        model = dist.wrap_for_training(model, model.device)     # torchrun: DDP rebuilt over the adapters alone
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     if trainer is not None and state["stage"] == "rl":
         dist.load_optimizer(model, opt, trainer["optimizer"])
         torch.set_rng_state(trainer["torch_rng"])
@@ -607,10 +667,13 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
         before_rl()
     if cfg.rl_steps > 0:
         run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, take_step, prompt, validate)
+    if is_lora(model):
+        model = model.merge_and_unload()        # RUN/final: one plain transformers model, adapters merged in
     model_sd, _ = dist.full_state(model, None)
     if dist.DIST.rank == 0:
         checkpoint.save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd)
         print(f"saved {cfg.run}/final")
+    checkpoint.close_reporters()
     dist.close()
 
 
