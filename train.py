@@ -139,8 +139,9 @@ class Config:
     clip_high: float = flag(0.2, "PPO clip above 1")
     dual_clip: float = flag(0.0, "dual clip c for A<0 (0 = off)")
     kl_coef: float = flag(0.0, "k3 KL to the initial policy in the loss (0 = none)")
-    log_kl: bool = flag(True, "log the k3 KL to the policy RL started from every step, whatever --kl-coef "
-                              "(loads the reference; off: no reference model unless --kl-coef > 0)")
+    # off by default: the reference is a second copy of the model in memory, for a number the run does not need
+    log_kl: bool = flag(False, "log the k3 KL to the policy RL started from every step, whatever --kl-coef "
+                               "(loads the reference model; without it a run at --kl-coef 0 holds one model)")
     agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum")
     ppo_epochs: int = flag(1, "update passes per batch")
     # padded tokens per micro-batch; on CPU 2048 beats 4096 (less padding; results/STUDIES.md)
@@ -416,7 +417,8 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
                 if ref_model is not None:
                     old[("ref", bi)] = token_logprobs(ref_model, x["ids"], x["attn"], cfg.temperature)
     model.train()
-    stats = {"clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "entropy": 0.0}
+    # "kl" only against a reference: without one it would read 0, as if the policy had not moved
+    stats = {"clip_frac": 0.0, "approx_kl": 0.0, "entropy": 0.0} | ({"kl": 0.0} if ref_model is not None else {})
     for epoch in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
