@@ -34,6 +34,7 @@ import sft
 from diagnostics import (first_update, mean_ci, memory_diagnostics, p_by_round, print_memory_diagnostics,
                          probe_by_found, report_decisions, report_stop_value)
 from models import gguf_file, load_pretrained, pick_device
+from checkpoint import run_config, trained_probe_think
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, run_episodes
 from search import Retriever, SearchTool, open_search
@@ -42,29 +43,12 @@ import viz
 SPLIT_SEEDS = data.SPLIT_SEEDS
 
 
-def run_config(checkpoint: str) -> dict:
-    """The RUN/config.json of the run that wrote ``checkpoint`` (a run folder or a folder inside one: ``final``,
-    ``ckpt``, ``sft``); {} for a checkpoint without one (e.g. a hub model)."""
-    for folder in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
-        path = os.path.join(folder, "config.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                cfg = json.load(f)
-            if "mem_mask" in cfg:                     # RUN/config.json, not a model's config.json
-                return cfg
-    return {}
-
-
 def run_reward_config(checkpoint: str) -> tuple[str, float, str]:
-    """The memory reward's ``(mem_mask, threshold, probe_think)`` of the run that wrote ``checkpoint``.
-
-    A run from before the probe marker (no ``probe_think`` in its config) scored ``<think> answer``; a
-    checkpoint without a run config gets the reward's defaults.
-    """
+    """The memory reward's ``(mem_mask, threshold, probe_think)`` of the run that wrote ``checkpoint``; a checkpoint
+    without a run config gets the reward's defaults and the marker it learnt (``checkpoint.trained_probe_think``)."""
     cfg = run_config(checkpoint)
-    if not cfg:
-        return MEM_MASK, THRESHOLD, PROBE_THINK
-    return cfg["mem_mask"], float(cfg.get("threshold", THRESHOLD)), cfg.get("probe_think", "answer")
+    return (cfg.get("mem_mask", MEM_MASK), float(cfg.get("threshold", THRESHOLD)),
+            trained_probe_think(checkpoint_dir(checkpoint)))
 
 
 def run_context(context: str | None, checkpoint: str) -> str:

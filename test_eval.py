@@ -48,12 +48,14 @@ def test_run_reward_config_reads_the_run_not_the_model_config(tmp_path):
     from eval import run_reward_config
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    assert run_reward_config(str(tmp_path / "final")) == (train.Config().mem_mask, train.Config().threshold,
-                                                         train.Config().probe_think)
+    # a model from elsewhere: the reward's defaults, probed without a marker it never learnt
+    assert run_reward_config(str(tmp_path / "final")) == (train.Config().mem_mask, train.Config().threshold, "answer")
     (tmp_path / "config.json").write_text(json.dumps({"mem_mask": "separate", "threshold": 0.3, "seed": 0}))
     assert run_reward_config(str(tmp_path)) == ("separate", 0.3, "answer")        # a run from before the marker
     assert run_reward_config(str(tmp_path / "final")) == ("separate", 0.3, "answer")
     assert run_reward_config(str(tmp_path / "final") + "/") == ("separate", 0.3, "answer")
+    (tmp_path / "final" / "probe_think.txt").write_text("probe")                 # the marker its SFT taught
+    assert run_reward_config(str(tmp_path)) == ("separate", 0.3, "probe")
 
 
 def test_summarize_reports_the_early_answer_share(expert_rollout):

@@ -408,3 +408,22 @@ def test_rl_step_with_entry_reward_logs_the_entry_score(sft_run):
     assert 0.0 <= m["entry_score"] <= 1.0 and m["mem_rounds"] > 0
     assert "entry_score" not in train.rl_step(model, None, tok, opt, train.parse_args(RL_ARGS + ["--algo", "mempo"]),
                                               1, train.agent_config(cfg))
+
+
+def test_probe_think_auto_is_the_marker_the_policy_learnt(tmp_path):
+    """The embedded run and any SFT with probe rows: probe (as before auto); a model from elsewhere: answer; a
+    checkpoint: the marker it recorded; an explicit value wins."""
+    resolve = lambda argv, stage, source: train.resolve_probe_think(train.parse_args(argv), stage, source)
+    assert resolve([], "sft", "") == resolve(["--stage", "rl"], "rl", "") == "probe" == reward.PROBE_THINK
+    assert resolve(["--model", str(tmp_path), "--sft-data", "x"], "sft", str(tmp_path)) == "probe"
+    assert resolve(["--model", str(tmp_path)], "rl", str(tmp_path)) == "answer"            # never taught a marker
+    assert resolve(["--model", "smollm2"], "rl", "smollm2") == "answer"
+    assert resolve(["--model", str(tmp_path), "--sft-data", "x", "--sft-probe", "0"], "sft", str(tmp_path)) == "answer"
+    (tmp_path / "probe_think.txt").write_text("probe")
+    assert resolve(["--model", str(tmp_path)], "rl", str(tmp_path)) == "probe"
+    assert resolve(["--model", str(tmp_path), "--probe-think", "answer"], "rl", str(tmp_path)) == "answer"
+    # the embedded run records it where its checkpoints and config say what its reward used
+    train.main(["--run", str(tmp_path / "run"), "--sft-steps", "0", "--rl-steps", "0", "--hidden", "32",
+                "--layers", "1", "--heads", "2", "--ffn", "64"])
+    assert (tmp_path / "run" / "final" / "probe_think.txt").read_text() == "probe"
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["probe_think"] == "probe"

@@ -168,8 +168,9 @@ class Config:
                                  "known so far and prompt + <mem> -> answer held in memory, after a '<think> probe "
                                  "</think> <answer>' marker that carries no loss: both memory-reward probes in "
                                  "distribution (0 = none)")
-    probe_think: str = flag(PROBE_THINK, "think word of the memory reward's answer template (the probe marker; "
-                                         "'answer' = no marker)")
+    probe_think: str = flag("auto", "think word of the memory reward's answer template: auto = the probe marker "
+                                    "where SFT probe rows teach it (this run's SFT, the embedded model), else the one "
+                                    "the checkpoint learnt (its probe_think.txt), else 'answer' (no marker)")
     # bookkeeping
     save_every: int = flag(20, "checkpoint every N RL steps")
     sft_save_every: int = flag(500, "checkpoint every N SFT steps")
@@ -190,7 +191,7 @@ class Config:
 
 def parse_args(argv=None, config=Config):
     """Command line -> ``config`` (train.Config, or a recipe's subclass of it): one ``--flag`` per field, its
-    help from the field; a bool on by default gets ``--flag / --no-flag``."""
+    help from the field; a bool gets ``--flag / --no-flag`` (either default, so a command that names it runs as written)."""
     p = argparse.ArgumentParser(description=(config.__doc__ or __doc__).split("\n")[0])
     for f in fields(config):
         default = f.default if f.default is not MISSING else f.default_factory()
@@ -198,8 +199,7 @@ def parse_args(argv=None, config=Config):
         if f.name == "run":      # torchrun reads any "--run..." as its own --run-path: --run-dir gets through
             p.add_argument("--run-dir", "--run", dest="run", default=default, help=help + " (alias --run)")
         elif isinstance(default, bool):
-            p.add_argument(flag_name, action=argparse.BooleanOptionalAction if default else "store_true",
-                           default=default, help=help)
+            p.add_argument(flag_name, action=argparse.BooleanOptionalAction, default=default, help=help)
         else:
             p.add_argument(flag_name, type=type(default), default=default, help=help)
     cfg = config(**vars(p.parse_args(argv)))
@@ -489,7 +489,8 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
         bar.set_postfix(score=f"{m['score']:.3f}", f1=f"{m.get('f1', m.get('e2e', 0.0)):.3f}")
         if (s + 1) % cfg.save_every == 0 or s + 1 == cfg.rl_steps:
             checkpoint.save_checkpoint(ckpt, model, tokenizer, optimizer,
-                                       {"stage": "rl", "step": s + 1, "precision": cfg.precision}, system_prompt)
+                                       {"stage": "rl", "step": s + 1, "precision": cfg.precision}, system_prompt,
+                                       cfg.probe_think)
 
 
 # --------------------------------------------------------------------------- a run
@@ -539,7 +540,20 @@ def load_policy(cfg: Config, device: torch.device):
             prompt = f.read().strip()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    cfg.probe_think = resolve_probe_think(cfg, state["stage"], ckpt if trainer is not None else cfg.model)
     return model, tokenizer, prompt, state, trainer
+
+
+def resolve_probe_think(cfg: Config, stage: str, source: str) -> str:
+    """``--probe-think``, or for ``auto`` the marker the policy answers after: ``probe`` where SFT probe rows teach
+    it (this run's SFT, or the embedded model, whose SFT always has them), else the one the checkpoint ``source``
+    learnt (``checkpoint.trained_probe_think``: ``answer`` for a model from elsewhere). A marker the policy never
+    learnt leaves P_full ~0 and the memory reward P_mem alone."""
+    if cfg.probe_think != "auto":
+        return cfg.probe_think
+    if not source or (stage == "sft" and cfg.sft_steps > 0 and cfg.sft_probe > 0):
+        return PROBE_THINK
+    return checkpoint.trained_probe_think(source)
 
 
 def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, trainer: dict | None, metrics_path: str,
@@ -565,7 +579,7 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
         run_rl(model, tokenizer, cfg, state["step"], opt, metrics_path, ckpt, take_step, prompt, validate)
     model_sd, _ = dist.full_state(model, None)
     if dist.DIST.rank == 0:
-        checkpoint.save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd)
+        checkpoint.save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd, cfg.probe_think)
         print(f"saved {cfg.run}/final")
     dist.close()
 
