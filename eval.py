@@ -401,15 +401,17 @@ def report_table(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> 
         bar = progress_bar(sum(len(t) for t in sets.values()))
         results = {k: evaluate(model, tokenizer, t, tool, agent, bar=bar) for k, t in sets.items()}
         bar.close()
-        if tool.failures:
-            print(f"search: {tool.failures} searches failed (their rounds saw the failure)", file=sys.stderr)
+        failures = tool.failures
+        if failures:
+            print(f"search: {failures} searches failed (their rounds saw the failure)", file=sys.stderr)
     else:
+        failures = 0                     # the embedded world's tool is in memory
         results = evaluate_embedded(model, tokenizer, args.objectives, args.tasks, args.seed, args.split,
                                     args.context, args.max_turns, hops, args.max_new_tokens, progress=True,
                                     system_prompt=prompt, temperature=args.temperature)
     print_table(results, f"{args.checkpoint}  context={args.context}  max_turns={args.max_turns}")
     out = {"checkpoint": args.checkpoint, "context": args.context, "max_turns": args.max_turns,
-           "results": {str(k): v for k, v in results.items()}}
+           "results": {str(k): v for k, v in results.items()}, "search_failures": failures}
     if args.diagnostics and not args.data:
         mask_mode, threshold, think = run_reward_config(args.checkpoint)  # P_mem as the run's reward saw it
         think = args.probe_think or think
