@@ -155,3 +155,17 @@ def test_the_json_line_counts_the_searches_that_failed(tmp_path, capsys, monkeyp
     searches = sum("<search>" in r for r in rounds)
     assert searches >= 1 and json.loads(out.out.strip().splitlines()[-1])["search_failures"] == searches
     assert f"{searches} searches failed" in out.err
+
+
+def test_a_run_trained_in_full_context_is_evaluated_in_snail_unless_asked(tmp_path, capsys):
+    import eval as ev
+    import train
+    run = tmp_path / "full"
+    train.main(["--run", str(run), "--sft-steps", "0", "--rl-steps", "0", "--train-context", "full", "--hidden", "32",
+                "--layers", "1", "--heads", "2", "--ffn", "64"])
+    quick = ["--checkpoint", str(run), "--objectives", "1", "--tasks", "1", "--max-turns", "1", "--max-new-tokens", "2"]
+    for extra, context in (([], "snail"), (["--context", "full"], "full")):
+        capsys.readouterr()
+        ev.main(quick + extra)
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["context"] == context
+    assert ev.run_context(None, str(run)) == "full"                      # --compare: each run as it trained
