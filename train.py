@@ -191,7 +191,8 @@ class Config:
 
 def parse_args(argv=None, config=Config):
     """Command line -> ``config`` (train.Config, or a recipe's subclass of it): one ``--flag`` per field, its
-    help from the field; a bool gets ``--flag / --no-flag`` (either default, so a command that names it runs as written)."""
+    help from the field; a bool gets ``--flag / --no-flag`` whatever its default, so a command naming either
+    form runs as written."""
     p = argparse.ArgumentParser(description=(config.__doc__ or __doc__).split("\n")[0])
     for f in fields(config):
         default = f.default if f.default is not MISSING else f.default_factory()
