@@ -2,9 +2,10 @@
 
 A run folder holds ``config.json`` (the run's Config), ``metrics.jsonl`` (one JSON row per logged step),
 ``ckpt/`` (the newest checkpoint), ``sft/`` (the model when SFT ended), ``ref/`` (the KL reference,
-``--kl-coef`` > 0), ``base/`` (what LoRA adapters sit on) and ``final/``. Every model folder is
-``save_pretrained`` + the tokenizer + the system prompt it was trained with (``system_prompt.txt``, read back
-by ``rollout.checkpoint_prompt``).
+``--kl-coef`` > 0 or ``--log-kl``), ``base/`` (what LoRA adapters sit on) and ``final/``. Every model folder is
+``save_pretrained`` + the tokenizer + the system prompt it was trained with (``system_prompt.txt``, read back by
+``rollout.checkpoint_prompt``) + the memory reward's probe marker (``probe_think.txt``, ``trained_probe_think``), so
+a run from it probes as its SFT taught.
 
 * A checkpoint (model + ``trainer.pt``: optimizer, stage + step, torch RNG) is written to ``PATH.tmp`` and
   renamed into place, so a kill leaves either the old or the new one. Data order depends only on
@@ -37,7 +38,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import dist
 from models import AdaptersOff, attach_lora, is_lora, load_lora, load_pretrained
 
-def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_prompt: str) -> None:
+def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_prompt: str,
+                    probe_think: str = "") -> None:
     """Atomic checkpoint: write to ``path.tmp`` then rename over ``path``. Torchrun: every rank calls it
     (FSDP2 gathers the full state), rank 0 writes."""
     model_sd, optimizer_sd = dist.full_state(model, optimizer)
@@ -45,7 +47,7 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_
         return
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(tmp, model, tokenizer, system_prompt, model_sd)
+    save_model(tmp, model, tokenizer, system_prompt, model_sd, probe_think)
     torch.save({"optimizer": optimizer_sd, "state": state,
                 "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer.pt"))
     old = path + ".old"
@@ -56,18 +58,51 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_model(path: str, model, tokenizer, system_prompt: str, state_dict: dict | None = None) -> None:
+def save_model(path: str, model, tokenizer, system_prompt: str, state_dict: dict | None = None,
+               probe_think: str = "") -> None:
     """``save_pretrained`` of the (full) model and the tokenizer, plus the system prompt the model was trained
-    with (``system_prompt.txt``, read back by ``rollout.checkpoint_prompt``); rank 0 only."""
+    with (``system_prompt.txt``, read back by ``rollout.checkpoint_prompt``) and the memory reward's probe marker
+    (``probe_think.txt``, read back by ``trained_probe_think``; none when ``probe_think`` is empty); rank 0 only."""
     model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
     with open(os.path.join(path, "system_prompt.txt"), "w", encoding="utf-8") as f:
         f.write(system_prompt)
+    if probe_think:
+        with open(os.path.join(path, PROBE_FILE), "w", encoding="utf-8") as f:
+            f.write(probe_think)
     if dist.DIST.fsdp:   # FSDP2 renames the class (FSDPLlamaForCausalLM); the config must name the HF class
         cfg_path = os.path.join(path, "config.json")
         conf = json.load(open(cfg_path))
         conf["architectures"] = [a.removeprefix("FSDP") for a in conf.get("architectures", [])]
         json.dump(conf, open(cfg_path, "w"), indent=2)
+
+
+PROBE_FILE = "probe_think.txt"
+
+
+def run_config(checkpoint: str) -> dict:
+    """The RUN/config.json of the run that wrote ``checkpoint`` (a run folder or a folder inside one: ``final``,
+    ``ckpt``, ``sft``); {} for a checkpoint without one (e.g. a hub model)."""
+    for folder in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
+        path = os.path.join(folder, "config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                cfg = json.load(f)
+            if "mem_mask" in cfg:                     # RUN/config.json, not a model's config.json
+                return cfg
+    return {}
+
+
+def trained_probe_think(checkpoint: str) -> str:
+    """The think word the model at ``checkpoint`` learnt to answer after, for the memory reward's probes: its
+    ``probe_think.txt``, else the ``probe_think`` of the run that wrote it (a run from before the marker scored
+    ``answer``), else ``answer``: a model from elsewhere knows no marker and answers after the expert's own
+    ``<think> answer </think>``."""
+    path = os.path.join(checkpoint, PROBE_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    return run_config(checkpoint).get("probe_think", "answer")
 
 
 def log_jsonl(path: str, row: dict) -> None:

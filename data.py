@@ -448,6 +448,19 @@ def read_jsonl(path: str) -> list[tuple[int, dict]]:
     return rows
 
 
+def alias_lists(golds) -> list[list[str]] | None:
+    """``golden_answers`` -> one alias list per objective: a string or a list of strings is one objective, a list
+    of lists K; None when it is neither."""
+    golds = [golds] if isinstance(golds, str) else golds
+    if not isinstance(golds, list) or not golds:
+        return None
+    if all(isinstance(g, str) for g in golds):
+        return [list(golds)]
+    if all(isinstance(g, list) and g and all(isinstance(a, str) for a in g) for g in golds):
+        return [list(g) for g in golds]
+    return None
+
+
 def load_qa(path: str) -> list[Task]:
     """QA file -> tasks. ``golden_answers``: a list of aliases (one objective) or a list of lists (K objectives)."""
     if path.endswith(".parquet"):
@@ -469,11 +482,9 @@ def load_qa(path: str) -> list[Task]:
             golds = [golds]
         if not isinstance(golds, list) or not golds:
             raise DataError(f"{path}:{n}: field 'golden_answers' must be a non-empty list")
-        if all(isinstance(g, str) for g in golds):
-            golds = [golds]
-        elif not all(isinstance(g, list) and g and all(isinstance(a, str) for a in g) for g in golds):
+        if alias_lists(golds) is None:
             raise DataError(f"{path}:{n}: 'golden_answers' must be strings or lists of strings")
-        tasks.append(Task(q.strip(), [list(g) for g in golds]))
+        tasks.append(Task(q.strip(), alias_lists(golds)))
     if not tasks:
         raise DataError(f"{path}: no questions")
     return tasks
@@ -529,7 +540,8 @@ def load_trajectories(path: str) -> list[dict]:
     One JSON object a line with ``messages``: an optional ``system`` turn, one ``user`` turn (the
     question), then ``assistant`` turns in the tag protocol, each but the last followed by one ``tool``
     (or ``user``) turn holding its result. The system turn is not used: SFT renders every round with the
-    run's own system prompt, so SFT and RL see the same one.
+    run's own system prompt, so SFT and RL see the same one. ``golds``: the line's ``golden_answers`` as
+    ``load_qa`` reads them, None when it has none (the SFT's probe rows then read the trajectory's own answer).
     """
     out = []
     for n, row in read_jsonl(path):
@@ -549,7 +561,7 @@ def load_trajectories(path: str) -> list[dict]:
                 raise DataError(f"{path}:{n}: turn {i + 2} should be a tool result, got {msgs[i + 1]['role']!r}")
             rounds.append((msgs[i]["content"], tool))
             i += 2
-        out.append({"question": msgs[0]["content"], "rounds": rounds})
+        out.append({"question": msgs[0]["content"], "rounds": rounds, "golds": alias_lists(row.get("golden_answers"))})
     if not out:
         raise DataError(f"{path}: no trajectories")
     return out

@@ -9,6 +9,10 @@ model processed, summed over the episode's rounds), PT (peak tokens: the longest
 context + output), and mean turns. TT and PT are means over episodes. A table on stdout, then
 one JSON line last.
 
+The agent is a memory agent: it plays in the snail context (``--context snail``, the default) whatever
+context it trained in, as the paper trains with full context and evaluates snail at 64 turns; ``--context full``
+plays a full-context agent, and ``--compare`` plays each run in its own training context.
+
 Held-out sets of the embedded world are new worlds (new fact graphs and questions) over the same
 pool of entity names as training; ``--split valid`` and ``--split test`` are disjoint world seeds:
 pick settings on ``valid``, report on ``test``.
@@ -35,6 +39,7 @@ from diagnostics import (first_update, mean_ci, memory_diagnostics, p_by_round, 
                          probe_by_found, report_decisions, report_stop_value)
 from flags import Accepts, FlagParser
 from models import gguf_file, load_pretrained, pick_device
+from checkpoint import run_config, trained_probe_think
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, run_episodes
 from search import Retriever, SearchTool, open_search
@@ -43,29 +48,12 @@ import viz
 SPLIT_SEEDS = data.SPLIT_SEEDS
 
 
-def run_config(checkpoint: str) -> dict:
-    """The RUN/config.json of the run that wrote ``checkpoint`` (a run folder or a folder inside one: ``final``,
-    ``ckpt``, ``sft``); {} for a checkpoint without one (e.g. a hub model)."""
-    for folder in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
-        path = os.path.join(folder, "config.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                cfg = json.load(f)
-            if "mem_mask" in cfg:                     # RUN/config.json, not a model's config.json
-                return cfg
-    return {}
-
-
 def run_reward_config(checkpoint: str) -> tuple[str, float, str]:
-    """The memory reward's ``(mem_mask, threshold, probe_think)`` of the run that wrote ``checkpoint``.
-
-    A run from before the probe marker (no ``probe_think`` in its config) scored ``<think> answer``; a
-    checkpoint without a run config gets the reward's defaults.
-    """
+    """The memory reward's ``(mem_mask, threshold, probe_think)`` of the run that wrote ``checkpoint``; a checkpoint
+    without a run config gets the reward's defaults and the marker it learnt (``checkpoint.trained_probe_think``)."""
     cfg = run_config(checkpoint)
-    if not cfg:
-        return MEM_MASK, THRESHOLD, PROBE_THINK
-    return cfg["mem_mask"], float(cfg.get("threshold", THRESHOLD)), cfg.get("probe_think", "answer")
+    return (cfg.get("mem_mask", MEM_MASK), float(cfg.get("threshold", THRESHOLD)),
+            trained_probe_think(checkpoint_dir(checkpoint)))
 
 
 def run_context(context: str | None, checkpoint: str) -> str:
@@ -335,7 +323,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--objectives", type=Accepts(int, min=1), nargs="+", default=[1, 2, 4, 6, 8, 10],
                    help="objective counts K")
     p.add_argument("--context", default=None, type=Accepts(str, choices=("snail", "full")),
-                   help="context mode (default: the one the run trained in; snail for a model from elsewhere)")
+                   help="context mode (default: snail, as the paper evaluates however the agent trained; with "
+                        "--compare each run's training context, so a full-context baseline plays as one)")
     p.add_argument("--max-turns", type=Accepts(int, min=1), default=64, help="max rounds per episode")
     p.add_argument("--max-new-tokens", type=Accepts(int, min=1), default=128, help="max tokens per round")
     p.add_argument("--tasks", type=Accepts(int, min=1), default=64, help="questions per K (embedded world)")
@@ -416,15 +405,17 @@ def report_table(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> 
         bar = progress_bar(sum(len(t) for t in sets.values()))
         results = {k: evaluate(model, tokenizer, t, tool, agent, bar=bar) for k, t in sets.items()}
         bar.close()
-        if tool.failures:
-            print(f"search: {tool.failures} searches failed (their rounds saw the failure)", file=sys.stderr)
+        failures = tool.failures
+        if failures:
+            print(f"search: {failures} searches failed (their rounds saw the failure)", file=sys.stderr)
     else:
+        failures = 0                     # the embedded world's tool is in memory
         results = evaluate_embedded(model, tokenizer, args.objectives, args.tasks, args.seed, args.split,
                                     args.context, args.max_turns, hops, args.max_new_tokens, progress=True,
                                     system_prompt=prompt, temperature=args.temperature)
     print_table(results, f"{args.checkpoint}  context={args.context}  max_turns={args.max_turns}")
     out = {"checkpoint": args.checkpoint, "context": args.context, "max_turns": args.max_turns,
-           "results": {str(k): v for k, v in results.items()}}
+           "results": {str(k): v for k, v in results.items()}, "search_failures": failures}
     if args.diagnostics and not args.data:
         mask_mode, threshold, think = run_reward_config(args.checkpoint)  # P_mem as the run's reward saw it
         think = args.probe_think or think
@@ -441,7 +432,7 @@ def main(argv=None) -> None:
     hops = tuple(int(x) for x in args.hops.split("-"))
     if args.compare:
         return compare_runs(args, hops, device)
-    args.context = run_context(args.context, args.checkpoint)
+    args.context = args.context or "snail"          # the memory agent's context, whatever the run trained in
     model, tokenizer, prompt = load(args.checkpoint, device)
     torch.manual_seed(args.seed)                    # --temperature > 0: the same sampled episodes on a rerun
     if args.system_prompt:

@@ -17,8 +17,9 @@ split on ``;``, part k against objective k's aliases:
 All 2N (context, answer) pairs go through one batched no-grad forward; grpo.py pools and normalises the
 rewards. Choices, with their reasons (measured: results/STUDIES.md):
 1. Both probes are in distribution: the think word is a marker, ``probe``, the policy never writes, and SFT
-   teaches it (``sft.probe_samples``) to answer after a round's context and after prompt + ``<mem>``. A small
-   policy answers only where it has learnt to; without these rows P_full was ~0.01 and the reward was P_mem.
+   teaches it (``sft.probe_samples``, ``sft.file_probe_samples`` for ``--sft-data``) to answer after a round's
+   context and after prompt + ``<mem>``. A small policy answers only where it has learnt to; without these rows
+   P_full was ~0.01 and the reward was P_mem. A policy that never learnt the marker is probed after ``answer``.
    ``full_traj`` stays the paper's: appending the round's ``<mem>`` would let P_full see the memory too.
 2. Confidence is judged per gold word (log p summed over its tokens), not per token: on a BPE tokenizer a
    name's later pieces are predictable from its first, and per-token masks kept names the probe could not write.
@@ -50,7 +51,8 @@ TAG_RE = re.compile(r"<(/?)(mem|think|search|access|answer|information)>")
 ACTIONS = ("search", "access", "answer")
 
 
-# the memory reward's defaults (train.Config's, and eval.py's for a checkpoint without a run config)
+# the memory reward's defaults (train.Config's, and eval.py's for a checkpoint without a run config); PROBE_THINK is
+# the marker SFT's probe rows teach (a policy that never learnt it is probed after "answer": train.resolve_probe_think)
 THRESHOLD, MEM_MASK, PROBE_THINK = 0.5, "separate", "probe"
 
 

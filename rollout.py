@@ -34,7 +34,9 @@ Choices: a round that does not end in an action tag (EOS, max tokens) ends its t
 the format check then scores 0; a round's TEXT ends at its first closing action tag (what a BPE token
 carries past it, ``>.`` or ``>\n``, is dropped from the text, the next context and the format check),
 while its ids stay exactly as sampled (the update trains on them); the next round's prompt is the chat
-template of the records' text, which is what the policy then sees and what that round's row holds;
+template of the records' text, which is what the policy then sees and what that round's row holds (every
+message as written: a template that rewrites earlier assistant turns, as Qwen3's cuts them at ``</think>`` and
+with them the previous ``<mem>``, renders place holders that are then replaced, ``needs_verbatim``);
 tool output is a whole chunk of the next prompt, never fed token by token. A model from elsewhere gets
 ``PROTOCOL_PROMPT``; a checkpoint of this project carries its own prompt (``system_prompt.txt``,
 ``checkpoint_prompt``). Loading a model (folder, ``.gguf``, SmolLM2) and the forward's precision: models.py.
@@ -377,9 +379,57 @@ class AgentConfig:
     prefix_cache: bool = True    # prefill system + question once per question (PrefixCache); False: every round in full
 
 
+# a conversation whose every message a faithful template renders as written; each assistant turn holds a
+# </think>, the mark a reasoning model's template cuts earlier turns at
+PROBE_CHAT = [{"role": "system", "content": "probe system"}, {"role": "user", "content": "probe question"},
+              {"role": "assistant", "content": "<mem> probe memory 1 </mem> <think> probe 1 </think> <search> q1 </search>"},
+              {"role": "user", "content": "<information> probe result 1 </information>"},
+              {"role": "assistant", "content": "<mem> probe memory 2 </mem> <think> probe 2 </think> <search> q2 </search>"},
+              {"role": "user", "content": "<information> probe result 2 </information>"}]
+SLOT_RE = re.compile(r"\x00slot(\d+)\x00")
+_VERBATIM: dict[str, bool] = {}         # chat template -> does it need the verbatim rendering
+
+
+def rewrites_messages(tokenizer) -> bool:
+    """Does the tokenizer's chat template drop or change the text of a message (``PROBE_CHAT``)?
+
+    Qwen3's template keeps, of every assistant turn before the last user message, only what follows
+    ``</think>``: the previous round's ``<mem>`` would vanish from the next round's context unseen.
+    """
+    text = tokenizer.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, tokenize=False)
+    return not all(m["content"] in text for m in PROBE_CHAT)
+
+
+def needs_verbatim(tokenizer) -> bool:
+    """``rewrites_messages``, judged once per chat template; the first time it is true, one line says so."""
+    key = tokenizer.chat_template or ""
+    if key not in _VERBATIM:
+        _VERBATIM[key] = rewrites_messages(tokenizer)
+        if _VERBATIM[key]:
+            slots = render_verbatim(tokenizer, PROBE_CHAT)
+            if not all(m["content"] in slots for m in PROBE_CHAT):
+                raise SystemExit(f"the chat template of {tokenizer.name_or_path or 'the tokenizer'} drops messages "
+                                 f"even in place holders: give the tokenizer a template that keeps every message")
+            print(f"chat template of {tokenizer.name_or_path or 'the tokenizer'}: it rewrites earlier assistant "
+                  f"turns, so every message goes in as written, in the template's own turn markers")
+    return _VERBATIM[key]
+
+
+def render_verbatim(tokenizer, messages: list[dict]) -> str:
+    """The chat template's text of ``messages`` with each message's content exactly as written: the template
+    renders a place holder per message (no ``</think>`` to cut at) and each is replaced by its content."""
+    slots = [{"role": m["role"], "content": f"\x00slot{i}\x00"} for i, m in enumerate(messages)]
+    text = tokenizer.apply_chat_template(slots, add_generation_prompt=True, tokenize=False)
+    return SLOT_RE.sub(lambda s: messages[int(s.group(1))]["content"], text)
+
+
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat messages -> ids with the assistant turn opened."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    """Chat messages -> ids with the assistant turn opened, every message's content as written (a template
+    that rewrites earlier turns is rendered around it: ``needs_verbatim``)."""
+    if needs_verbatim(tokenizer):
+        text = render_verbatim(tokenizer, messages)
+    else:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -33,11 +33,13 @@ doubling; no jitter, so no random state is touched); when the last try fails, ev
 gets ``SEARCH_FAILED`` as its observation, ``failures`` counts them, and the run goes on. At start-up
 ``open_search`` sends one batch and exits with one line naming the URL if it gets no valid answer. The
 protocol has no ``access``: the client answers it from the documents its searches returned (the ids a
-policy can know). Dense retrieval (e5 + FAISS) is a server's business: point ``--search-url`` at
+policy can know); a server whose documents carry no id (Search-R1's pyserini BM25) gets one per document,
+a hash of its contents (``doc_id``). Dense retrieval (e5 + FAISS) is a server's business: point ``--search-url`` at
 Search-R1's dense server; this file keeps to BM25.
 """
 from __future__ import annotations
 
+import hashlib
 import http.client
 import importlib.util
 import json
@@ -250,9 +252,18 @@ def parse_reply(raw: bytes, n_queries: int) -> Hits:
             doc, score = (it["document"], it.get("score", 0.0)) if isinstance(it, dict) and "document" in it else (it, 0.0)
             if not isinstance(doc, dict) or not isinstance(doc.get("contents"), str):
                 raise ValueError("a result document has no string 'contents'")
-            row.append(({"id": str(doc.get("id", "")), "contents": doc["contents"]}, float(score)))
+            row.append(({"id": doc_id(doc), "contents": doc["contents"]}, float(score)))
         hits.append(row)
     return hits
+
+
+def doc_id(doc: dict) -> str:
+    """A result document's id: its own, else (Search-R1's pyserini server answers ``title`` / ``text`` /
+    ``contents`` and no id) the first 10 hex digits of the SHA-1 of its contents: the same document has the same
+    id in every reply, so an observation keeps its ``id contents`` shape and ``<access>`` can name it."""
+    if str(doc.get("id", "")).strip():
+        return str(doc["id"])
+    return hashlib.sha1(doc["contents"].encode()).hexdigest()[:10]
 
 
 class SearchClient(Retriever):

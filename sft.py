@@ -14,7 +14,8 @@ checkpoints). MemPO's cold start (``cold_start``) feeds it:
   marker without loss (reward.py, choice 1); with ``--sft-copy-mix``, copy rows of ``--sft-copy-objectives``
   too (round 1 of questions longer than the expert's, which otherwise garbles past its largest K);
 * or, with ``--sft-data``, ``file_batch``: rounds of a chat-format trajectory file, rendered with the run's
-  system prompt.
+  system prompt, and probe rows of its rounds (``file_probe_samples``: the answers a context or a ``<mem>``
+  holds are read off its text), so the memory reward's probes are in distribution on this path too.
 
 Every row is rendered exactly as the agent loop renders the round (``episode_samples``: snail or full
 context, the forced ``<mem>`` prefix without loss on rounds >= 2). The lr warms up linearly, then follows a
@@ -41,7 +42,7 @@ from checkpoint import log_jsonl, save_checkpoint
 from flags import Accepts, FlagParser
 from grpo import Sample, collate, micro_batches
 from memory import Record, extract_mem, prepare_prompt, tool_record
-from reward import answer_template, outcome_reward
+from reward import answer_template, normalize_answer, outcome_reward
 from models import autocast
 from rollout import AgentConfig, encode_chat, parse_action, run_episodes
 from search import SearchTool
@@ -129,22 +130,74 @@ def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rn
             mem_ctx = prompt_ids + tokenizer.encode(f"<mem> {extract_mem(text)} </mem>", add_special_tokens=False)
             for c, answer in ((ctx, data.context_answers(task, episode, t, context)),
                               (mem_ctx, data.answers_from_mem(task, extract_mem(text)))):
-                ids, words = answer_template(tokenizer, [[a] for a in answer.split(" ; ")], think)
-                first = next(j for j, w in enumerate(words) if w)
-                out.append(Sample(c + ids, len(c) + first))
+                out.append(probe_row(tokenizer, c, answer.split(" ; "), think))
+    return out
+
+
+def taught_marker(cfg) -> str:
+    """The think word SFT's probe rows teach: ``--probe-think``, ``probe`` for ``auto`` (what a run with an SFT
+    stage resolves it to, train.resolve_probe_think)."""
+    return data.PROBE if cfg.probe_think == "auto" else cfg.probe_think
+
+
+def probe_row(tokenizer, context: list[int], answers: list[str], think: str) -> Sample:
+    """``context`` + the reward's template ``<think> {think} </think> <answer> a1 ; a2 </answer>``, the loss from
+    the first answer word on (the marker is never learnt as an output)."""
+    ids, words = answer_template(tokenizer, [[a] for a in answers], think)
+    first = next(j for j, w in enumerate(words) if w)
+    return Sample(context + ids, len(context) + first)
+
+
+def held_answers(golds: list[list[str]], text: str) -> list[str]:
+    """Per objective, the first alias whose words occur in ``text`` (SQuAD-normalised, whole words), else
+    ``unknown``: what a context or a memory holds, read off its text when no world says so."""
+    seen = f" {normalize_answer(text)} "
+    return [next((a for a in aliases if normalize_answer(a) and f" {normalize_answer(a)} " in seen), data.UNKNOWN)
+            for aliases in golds]
+
+
+def file_probe_samples(tokenizer, trajectory: dict, rng: random.Random, p: float, system_prompt: str,
+                       picked_rounds: set[int], context: str = "snail", think: str = data.PROBE) -> list[Sample]:
+    """Probe rows of a trajectory file's round (``--sft-data``), as ``probe_samples`` makes of the expert's: for
+    each picked round t >= 2 with a ``<mem>`` (with probability ``p``), the round's context -> the gold answers
+    its earlier rounds and results hold, and prompt + ``<mem>`` -> those the memory holds (``held_answers``; the
+    question itself does not count). Golds: the line's ``golden_answers``, else the trajectory's own last
+    ``<answer>`` (a file of successful episodes)."""
+    golds = trajectory.get("golds")
+    if not golds:
+        kind, body = parse_action(trajectory["rounds"][-1][0])
+        golds = [[a.strip()] for a in body.split(";")] if kind == "answer" and body.strip() else None
+    if not golds:
+        return []
+    question = trajectory["question"]
+    prompt_ids = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], system_prompt))
+    out = []
+    for t, text, records in episode_records(question, trajectory["rounds"]):
+        mem = extract_mem(text)
+        if t >= 1 and t in picked_rounds and mem is not None and rng.random() < p:
+            messages = prepare_prompt(records, system_prompt, None if context == "full" else 1)
+            seen = " ".join(m["content"] for m in messages[2:])                   # after system + question
+            mem_ctx = prompt_ids + tokenizer.encode(f"<mem> {mem} </mem>", add_special_tokens=False)
+            out += [probe_row(tokenizer, encode_chat(tokenizer, messages), held_answers(golds, seen), think),
+                    probe_row(tokenizer, mem_ctx, held_answers(golds, mem), think)]
     return out
 
 
 def file_batch(tokenizer, cfg, step: int, trajectories: list[dict], system_prompt: str) -> list[Sample]:
-    """A batch of ``cfg.sft_batch`` rounds from a chat-format trajectory file (``--sft-data``): 4 rounds an episode."""
-    rng = random.Random(cfg.seed * 1_000_003 + step)
+    """A batch of ``cfg.sft_batch`` rounds from a chat-format trajectory file (``--sft-data``): 4 rounds an episode,
+    plus their probe rows (``file_probe_samples``, ``--sft-probe``) on top, drawn apart so the rounds stay the same."""
+    rng, probe_rng = random.Random(cfg.seed * 1_000_003 + step), random.Random(cfg.seed * 7_000_003 + step)
     out: list[Sample] = []
+    probes: list[Sample] = []
     while len(out) < cfg.sft_batch:
         tr = rng.choice(trajectories)
         picked = set(rng.sample(range(len(tr["rounds"])), min(len(tr["rounds"]), 4)))
         out += episode_samples(tokenizer, tr["question"], tr["rounds"], system_prompt, picked_rounds=picked,
                                context=cfg.train_context)
-    return out[: cfg.sft_batch]
+        if cfg.sft_probe > 0:
+            probes += file_probe_samples(tokenizer, tr, probe_rng, cfg.sft_probe, system_prompt, picked,
+                                         cfg.train_context, taught_marker(cfg))
+    return out[: cfg.sft_batch] + probes
 
 
 def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT) -> list[Sample]:
@@ -167,7 +220,7 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
                               turns=turns, context=cfg.train_context)
         if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay
             probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, system_prompt,
-                                    picked_rounds=picked, context=cfg.train_context, think=cfg.probe_think,
+                                    picked_rounds=picked, context=cfg.train_context, think=taught_marker(cfg),
                                     turns=turns)
     return out[: cfg.sft_batch] + probes
 
@@ -355,10 +408,11 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
                 model.train()
             log_jsonl(metrics_path, row)
         if (step + 1) % cfg.sft_save_every == 0 and step + 1 < cfg.sft_steps:
-            save_checkpoint(ckpt, model, tokenizer, optimizer, state(step + 1), system_prompt)
+            save_checkpoint(ckpt, model, tokenizer, optimizer, state(step + 1), system_prompt, cfg.probe_think)
 
     run_sft(model, optimizer, batch, range(start, cfg.sft_steps), lr, cfg, tokenizer.pad_token_id, on_step)
-    save_checkpoint(os.path.join(cfg.run, "sft"), model, tokenizer, None, state(cfg.sft_steps), system_prompt)
+    save_checkpoint(os.path.join(cfg.run, "sft"), model, tokenizer, None, state(cfg.sft_steps), system_prompt,
+                    cfg.probe_think)
 
 
 # --------------------------------------------------------------------------- the world as files

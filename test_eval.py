@@ -48,12 +48,14 @@ def test_run_reward_config_reads_the_run_not_the_model_config(tmp_path):
     from eval import run_reward_config
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    assert run_reward_config(str(tmp_path / "final")) == (train.Config().mem_mask, train.Config().threshold,
-                                                         train.Config().probe_think)
+    # a model from elsewhere: the reward's defaults, probed without a marker it never learnt
+    assert run_reward_config(str(tmp_path / "final")) == (train.Config().mem_mask, train.Config().threshold, "answer")
     (tmp_path / "config.json").write_text(json.dumps({"mem_mask": "separate", "threshold": 0.3, "seed": 0}))
     assert run_reward_config(str(tmp_path)) == ("separate", 0.3, "answer")        # a run from before the marker
     assert run_reward_config(str(tmp_path / "final")) == ("separate", 0.3, "answer")
     assert run_reward_config(str(tmp_path / "final") + "/") == ("separate", 0.3, "answer")
+    (tmp_path / "final" / "probe_think.txt").write_text("probe")                 # the marker its SFT taught
+    assert run_reward_config(str(tmp_path)) == ("separate", 0.3, "probe")
 
 
 def test_summarize_reports_the_early_answer_share(expert_rollout):
@@ -116,3 +118,54 @@ def test_compare_stops_on_a_run_without_a_checkpoint_before_any_episode(sft_run,
     assert str(tmp_path) in str(stop.value.code) and "\n" not in str(stop.value.code)
     assert capsys.readouterr().out == ""
     assert ev.is_model_dir(str(sft_run / "final")) and not ev.is_model_dir(str(tmp_path))
+
+
+def test_the_json_line_counts_the_searches_that_failed(tmp_path, capsys, monkeypatch):
+    """A server that answers the start-up check and then fails: every search round is counted in the JSON line."""
+    import threading
+    import eval as ev
+    import search
+    from conftest import ExpertTape, expert_tape
+    from search import Retriever, make_server
+
+    class DownAfterCheck(Retriever):
+        calls = 0
+
+        def retrieve(self, queries, top_k):
+            DownAfterCheck.calls += 1
+            if DownAfterCheck.calls > 1:
+                raise RuntimeError("index gone")
+            return [[] for _ in queries]
+
+    monkeypatch.setattr(search.time, "sleep", lambda s: None)           # the client's retries, without the wait
+    server = make_server(DownAfterCheck(), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    world, tasks = data.held_out_tasks(1, 1)
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"question": tasks[0].question, "golden_answers": tasks[0].golds}))
+    tok = data.build_tokenizer()
+    rounds, tape = expert_tape(tok, tasks[0])
+    policy = ExpertTape(data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval(), tape)
+    args = ev.parse_args(["--checkpoint", str(tmp_path), "--data", str(tmp_path / "qa.jsonl"), "--context", "snail",
+                          "--search-url", f"http://127.0.0.1:{server.server_port}/retrieve"])
+    try:
+        ev.report_table(policy, tok, data.SYSTEM_PROMPT, args, (1, 3))
+    finally:
+        server.shutdown()
+    out = capsys.readouterr()
+    searches = sum("<search>" in r for r in rounds)
+    assert searches >= 1 and json.loads(out.out.strip().splitlines()[-1])["search_failures"] == searches
+    assert f"{searches} searches failed" in out.err
+
+
+def test_a_run_trained_in_full_context_is_evaluated_in_snail_unless_asked(tmp_path, capsys):
+    import eval as ev
+    import train
+    run = tmp_path / "full"
+    train.main(["--run", str(run), "--sft-steps", "0", "--rl-steps", "0", "--train-context", "full", "--hidden", "32",
+                "--layers", "1", "--heads", "2", "--ffn", "64"])
+    quick = ["--checkpoint", str(run), "--objectives", "1", "--tasks", "1", "--max-turns", "1", "--max-new-tokens", "2"]
+    for extra, context in (([], "snail"), (["--context", "full"], "full")):
+        capsys.readouterr()
+        ev.main(quick + extra)
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["context"] == context
+    assert ev.run_context(None, str(run)) == "full"                      # --compare: each run as it trained

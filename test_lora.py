@@ -4,14 +4,12 @@ uninterrupted run), ``RUN/final`` is the merged plain model that eval.py and ``f
 reference is the base (the same module, adapters off), and SmolLM2 trains under rank 16 the same way."""
 import json
 import os
-import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoint
-import data
 import eval as ev
 import grpo
 import models

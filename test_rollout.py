@@ -368,3 +368,69 @@ def test_engine_prefix_cache_rows_of_mixed_prefixes_equal_plain_prefill(tiny):
     plain = generate(model, prompts, 16, pad_id=tok.pad_token_id, temperature=0.0)
     cached = generate(model, prompts, 16, pad_id=tok.pad_token_id, temperature=0.0, prefix_cache=cache)
     assert cached == plain
+
+
+# ---------------------------------------------------------------- templates that rewrite earlier turns
+# Qwen3's rule: of every assistant turn before the last user message only what follows </think> is kept; the
+# newest turn's reasoning goes back inside <think> (a mimic of its template, turn markers given)
+QWEN3_RULE = """{%- set ns = namespace(last=0) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+{%- set content = m.content -%}
+{%- if m.role == 'assistant' and '</think>' in content -%}
+{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
+{%- if loop.index0 > ns.last -%}{%- set content = '<think>\\n' + reasoning.strip() + '\\n</think>\\n\\n' + content -%}{%- endif -%}
+{%- endif -%}
+{{- OPEN ~ m.role ~ MID ~ content ~ CLOSE -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- OPEN ~ 'assistant' ~ MID -}}{%- endif -%}"""
+
+
+def qwen3_style(open_: str, mid: str, close: str) -> str:
+    """``QWEN3_RULE`` with each turn written ``open_ + role + mid + content + close``."""
+    quote = lambda s: "'" + s.replace("\n", "\\n") + "'"
+    return QWEN3_RULE.replace("OPEN", quote(open_)).replace("MID", quote(mid)).replace("CLOSE", quote(close))
+
+
+def test_a_template_that_cuts_earlier_turns_at_think_is_rendered_with_every_message_as_written(monkeypatch, capsys):
+    import rollout
+    from rollout import PROBE_CHAT, encode_chat, needs_verbatim, rewrites_messages
+    monkeypatch.setattr(rollout, "_VERBATIM", {})
+    assert not rewrites_messages(data.build_tokenizer())                   # the embedded template keeps them
+    tok = data.build_bpe_tokenizer()
+    assert not rewrites_messages(tok) and not needs_verbatim(tok)          # ChatML as written: the template itself
+    assert encode_chat(tok, PROBE_CHAT) == tok.encode(
+        tok.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    assert capsys.readouterr().out == ""
+    tok.chat_template = qwen3_style("<|im_start|>", "\n", "<|im_end|>\n")
+    plain = tok.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, tokenize=False)
+    assert "probe memory 1" not in plain and "<|im_start|>assistant\n <search> q1 </search><|im_end|>" in plain
+    assert rewrites_messages(tok) and needs_verbatim(tok) and needs_verbatim(tok)
+    text = tok.decode(encode_chat(tok, PROBE_CHAT))
+    assert text == "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in PROBE_CHAT) \
+        + "<|im_start|>assistant\n"                                         # the template's own turn markers
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "rewrites earlier assistant turns" in out and "as written" in out
+
+
+def test_round_two_sees_round_one_memory_under_a_qwen3_style_template(monkeypatch, capsys):
+    """Acceptance: the ids of round 2's context hold round 1's <mem> body, and one line says how it is rendered."""
+    import rollout
+    from conftest import ExpertTape, expert_tape
+    monkeypatch.setattr(rollout, "_VERBATIM", {})
+    tok = data.build_tokenizer()
+    tok.chat_template = qwen3_style("<|", "|> ", " <|end|> ")
+    inner = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
+    w, tasks = data.make_tasks(3, 1, [2], (2, 2))
+    rounds, tape = expert_tape(tok, tasks[0])
+    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=3, max_new_tokens=60, temperature=0.0)
+    traj, = rollout.rollout(ExpertTape(inner, tape), tok, tasks, 1, SearchTool(w.docs), cfg)
+    assert [r.text for r in traj.rounds] == rounds[:3]
+    body = rounds[0].split("<mem>")[1].split("</mem>")[0]
+    assert "</think>" in rounds[0] and body.strip()
+    for t in (1, 2):     # each round's context holds the previous round whole, its <mem> first
+        assert _contains(traj.rounds[t].context_ids, tok.encode(f"<mem>{body}</mem>" if t == 1 else rounds[1],
+                                                                 add_special_tokens=False))
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "rewrites earlier assistant turns" in out

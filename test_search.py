@@ -302,3 +302,52 @@ def test_failed_searches_reach_the_trajectory_and_the_run_goes_on():
     trajs = rollout(ExpertTape(inner, tape, every_row=True), tok, tasks, 2, client, cfg)
     assert all(t.records[2].text == SEARCH_FAILED for t in trajs) and client.failures == 2 * 2
     assert isinstance(client, Retriever)
+
+
+class Pyserini(Retriever):
+    """Search-R1's pyserini BM25 server's documents: ``title`` / ``text`` / ``contents``, no id."""
+
+    def __init__(self, docs: list[dict], top_k: int = 3):
+        self.inner, self.top_k = SearchTool(docs, top_k), top_k
+
+    def retrieve(self, queries, top_k):
+        split = lambda c: (c.split("\n")[0], "\n".join(c.split("\n")[1:]))
+        return [[({"title": split(d["contents"])[0], "text": split(d["contents"])[1], "contents": d["contents"]}, s)
+                 for d, s in h] for h in self.inner.retrieve(queries, top_k)]
+
+
+def test_documents_without_ids_get_a_stable_id_of_their_own_and_access_finds_them():
+    docs = [{"id": "a", "contents": "Paris\nParis is the capital of France."},
+            {"id": "b", "contents": "Lyon\nLyon is a city in France."}]
+    url, server = serve(Pyserini(docs))
+    try:
+        client = SearchClient(url)
+        first, again = client.retrieve(["paris france"], 2), client.retrieve(["lyon france capital"], 2)
+        obs = client.search("paris")
+    finally:
+        server.shutdown()
+    got = {d["contents"]: d["id"] for h in first + again for d, _ in h}
+    assert len(got) == 2 and len(set(got.values())) == 2 and all(len(i) == 10 for i in got.values())
+    assert [d["id"] for d, _ in first[0]] == [got[d["contents"]] for d, _ in first[0]]   # the same id every reply
+    pid = got[docs[0]["contents"]]
+    assert obs.startswith(f"<information> {pid} Paris\nParis is the capital")               # the observation's shape
+    assert client.access(pid) == f"<information> {pid} {docs[0]['contents']} </information>"
+    assert client.access("a") == "<information> not found </information>"
+
+
+def test_the_sft_agent_scores_the_same_through_a_server_whose_documents_carry_no_id(sft_run):
+    """The exported embedded world at K=1 through a real loopback server: the observations differ only in the
+    documents' ids, and the SFT agent's score does not move."""
+    from eval import evaluate, greedy_agent, load
+    model, tok, prompt = load(str(sft_run), torch.device("cpu"))
+    world, tasks = data.held_out_tasks(1, 8)
+    scores = {}
+    for name, retriever in (("ids", SearchTool(world.docs)), ("no ids", Pyserini(world.docs))):
+        url, server = serve(retriever)
+        try:
+            scores[name] = evaluate(model, tok, tasks, SearchClient(url), greedy_agent(max_turns=8, system_prompt=prompt))
+        finally:
+            server.shutdown()
+    assert scores["ids"]["n"] == 8 and scores["ids"]["turns"] > 1
+    outcome = lambda r: {k: r[k] for k in ("f1", "em", "score", "valid")}
+    assert outcome(scores["no ids"]) == outcome(scores["ids"]), scores

@@ -1,5 +1,7 @@
 """SFT rows: the expert's rounds, the probe rows of both memory-reward contexts, and the copy, carry and fill rows
 that show a round's <mem> past the expert's K, each going on to the round's action."""
+import random
+
 import data
 import sft
 import train
@@ -155,3 +157,36 @@ def test_fill_rows_fill_the_slot_their_search_found_and_nothing_else():
         assert target.split("</mem>")[1].strip() == sft.round_action(new).strip()
         counts.add(len(new))
     assert counts == {3, 4, 5, 6}
+
+
+def test_file_probe_rows_answer_what_the_context_and_the_memory_hold(tmp_path):
+    """--sft-data: probe rows from the file's own rounds, the answers read off the text, the marker taught."""
+    tok = data.build_tokenizer()
+    names = data.name_pool()
+    rounds = [(f"<think> search </think> <search> {names[0]} boss </search>", f"<information> d1 {names[0]} boss {names[1]} </information>"),
+              (f"<mem> 1 = {names[0]} boss {names[1]} </mem> <think> search </think> <search> {names[1]} rival </search>",
+               f"<information> d2 {names[2]} rival {names[3]} </information>"),
+              (f"<mem> 1 = {names[0]} boss {names[1]} </mem> <think> answer </think> <answer> {names[1]} </answer>", None)]
+    traj = {"question": f"1 : {names[0]} boss _ ?", "rounds": rounds, "golds": [[names[1]]]}
+    cfg = train.parse_args(["--sft-data", "x"])
+    rows = sft.file_probe_samples(tok, traj, random.Random(0), 1.0, data.SYSTEM_PROMPT, {0, 1, 2},
+                                  think=sft.taught_marker(cfg))
+    assert len(rows) == 4                                       # rounds 2 and 3, two contexts each
+    for r in rows:
+        assert tok.decode(r.ids[:r.n_prompt]).endswith("<think> probe </think> <answer>")
+        assert tok.decode(r.ids[r.n_prompt:]) == f"{names[1]} </answer>"     # round 1's result, then the memory
+    amnesic = {**traj, "rounds": [rounds[0], (rounds[1][0].replace(f" boss {names[1]}", " boss _"), rounds[1][1]),
+                                  rounds[2]]}
+    rows = sft.file_probe_samples(tok, amnesic, random.Random(0), 1.0, data.SYSTEM_PROMPT, {1}, think="probe")
+    assert [tok.decode(r.ids[r.n_prompt:]) for r in rows] == [f"{names[1]} </answer>", "unknown </answer>"]
+    no_golds = {**traj, "golds": None}                           # the trajectory's own last answer
+    assert sft.file_probe_samples(tok, no_golds, random.Random(0), 1.0, data.SYSTEM_PROMPT, {1, 2}) \
+        == sft.file_probe_samples(tok, traj, random.Random(0), 1.0, data.SYSTEM_PROMPT, {1, 2})
+    # in a batch: on top of the policy rows, which stay the rows of a batch without probes
+    path = sft.export(str(tmp_path), ks=(1,), n=2, episodes=8)[-1]
+    trajs = data.load_trajectories(path)
+    assert all(t["golds"] for t in trajs)
+    base = ["--sft-data", path, "--sft-batch", "8"]
+    with_probes = sft.file_batch(tok, train.parse_args(base), 3, trajs, data.SYSTEM_PROMPT)
+    without = sft.file_batch(tok, train.parse_args(base + ["--sft-probe", "0"]), 3, trajs, data.SYSTEM_PROMPT)
+    assert with_probes[:8] == without and len(with_probes) > 8

@@ -137,6 +137,13 @@ def test_the_tokenizer_round_trips_the_protocol_tags_and_names(smol):
     assert len(ids(tok, "</search>")) == 3 and sum(len(ids(tok, " " + n)) > 1 for n in data.name_pool()) > 24
 
 
+def test_smollm2_template_keeps_every_message_so_it_is_used_as_it_is(smol):
+    _, tok, _, _ = smol
+    assert not rollout.rewrites_messages(tok) and not rollout.needs_verbatim(tok)
+    chat = tok.apply_chat_template(rollout.PROBE_CHAT, add_generation_prompt=True, tokenize=False)
+    assert encode_chat(tok, rollout.PROBE_CHAT) == ids(tok, chat)
+
+
 # --------------------------------------------------------------------------- the engine
 
 def test_greedy_engine_equals_model_generate_on_mixed_length_chat_prompts(smol):

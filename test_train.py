@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import checkpoint
 import data
 import grpo
 import reward
@@ -311,9 +312,9 @@ def test_fresh_run_refuses_a_folder_that_holds_a_run(tmp_path):
 
 
 def test_rl_logs_kl_to_its_start_entropy_and_early_answers_whatever_kl_coef(sft_run, tmp_path):
-    """--kl-coef 0 (the default) still loads the reference: "kl" is 0 before the first update, > 0 after it."""
+    """--log-kl at --kl-coef 0 loads the reference: "kl" is 0 before the first update, > 0 after it."""
     run = tmp_path / "run"
-    train.main(["--run", str(run), "--model", str(sft_run / "final")] + RL_ARGS[:1] + ["3"] + RL_ARGS[2:])
+    train.main(["--run", str(run), "--model", str(sft_run / "final"), "--log-kl"] + RL_ARGS[:1] + ["3"] + RL_ARGS[2:])
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and (run / "ref" / "config.json").exists()
     updated = [r for r in rows if "skipped" not in r]
@@ -323,8 +324,23 @@ def test_rl_logs_kl_to_its_start_entropy_and_early_answers_whatever_kl_coef(sft_
     assert rows[0].get("kl", 0.0) == 0.0                       # step 0: the policy is its reference
     assert rows[updated[0]["step"] + 1]["kl"] > 0             # after an update the policy has moved
     off = tmp_path / "off"
-    train.main(["--run", str(off), "--model", str(sft_run / "final"), "--no-log-kl"] + RL_ARGS[:1] + ["1"] + RL_ARGS[2:])
+    train.main(["--run", str(off), "--model", str(sft_run / "final")] + RL_ARGS[:1] + ["1"] + RL_ARGS[2:])
     assert not (off / "ref").exists()
+
+
+def test_a_default_rl_run_at_kl_coef_0_holds_one_model(tmp_path, monkeypatch):
+    """No second copy unless asked: the KL reference is loaded only with --log-kl or --kl-coef > 0."""
+    loads = []
+    real = checkpoint.reference_model
+    monkeypatch.setattr(checkpoint, "reference_model", lambda *a: loads.append(a) or real(*a))
+    args = ["--sft-steps", "0", "--questions", "2", "--group", "2", "--max-turns", "2", "--max-new-tokens", "8",
+            "--eval-every", "0", "--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64"]
+    train.main(["--run", str(tmp_path / "default"), "--rl-steps", "2"] + args)
+    rows = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
+    assert loads == [] and not (tmp_path / "default" / "ref").exists() and len(rows) == 2
+    assert not any("kl" in r for r in rows)                   # no reference, no "kl" that would read 0
+    train.main(["--run", str(tmp_path / "logged"), "--rl-steps", "1", "--log-kl"] + args)
+    assert len(loads) == 1 and (tmp_path / "logged" / "ref").exists()
 
 
 def test_early_answer_counts_searches_against_the_question_s_hops(expert_rollout):
@@ -435,3 +451,22 @@ def test_report_to_wandb_logs_offline_and_without_the_package_stops_in_one_line(
         train.main(["--run", str(tmp_path / "run2"), "--report-to", "wandb"] + TINY)
     with pytest.raises(SystemExit):
         train.parse_args(["--report-to", "tensorboard,mlflow"])
+
+
+def test_probe_think_auto_is_the_marker_the_policy_learnt(tmp_path):
+    """The embedded run and any SFT with probe rows: probe (as before auto); a model from elsewhere: answer; a
+    checkpoint: the marker it recorded; an explicit value wins."""
+    resolve = lambda argv, stage, source: train.resolve_probe_think(train.parse_args(argv), stage, source)
+    assert resolve([], "sft", "") == resolve(["--stage", "rl"], "rl", "") == "probe" == reward.PROBE_THINK
+    assert resolve(["--model", str(tmp_path), "--sft-data", "x"], "sft", str(tmp_path)) == "probe"
+    assert resolve(["--model", str(tmp_path)], "rl", str(tmp_path)) == "answer"            # never taught a marker
+    assert resolve(["--model", "smollm2"], "rl", "smollm2") == "answer"
+    assert resolve(["--model", str(tmp_path), "--sft-data", "x", "--sft-probe", "0"], "sft", str(tmp_path)) == "answer"
+    (tmp_path / "probe_think.txt").write_text("probe")
+    assert resolve(["--model", str(tmp_path)], "rl", str(tmp_path)) == "probe"
+    assert resolve(["--model", str(tmp_path), "--probe-think", "answer"], "rl", str(tmp_path)) == "answer"
+    # the embedded run records it where its checkpoints and config say what its reward used
+    train.main(["--run", str(tmp_path / "run"), "--sft-steps", "0", "--rl-steps", "0", "--hidden", "32",
+                "--layers", "1", "--heads", "2", "--ffn", "64"])
+    assert (tmp_path / "run" / "final" / "probe_think.txt").read_text() == "probe"
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["probe_think"] == "probe"

@@ -143,8 +143,9 @@ class Config:
     clip_high: float = flag(0.2, "PPO clip above 1", min=0)
     dual_clip: float = flag(0.0, "dual clip c for A<0 (0 = off)", above=1, off=0)
     kl_coef: float = flag(0.0, "k3 KL to the initial policy in the loss (0 = none)", min=0)
-    log_kl: bool = flag(True, "log the k3 KL to the policy RL started from every step, whatever --kl-coef "
-                              "(loads the reference; off: no reference model unless --kl-coef > 0)")
+    # off by default: the reference is a second copy of the model in memory, for a number the run does not need
+    log_kl: bool = flag(False, "log the k3 KL to the policy RL started from every step, whatever --kl-coef "
+                               "(loads the reference model; without it a run at --kl-coef 0 holds one model)")
     agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum",
                     choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
     ppo_epochs: int = flag(1, "update passes per batch", min=1)
@@ -182,8 +183,9 @@ class Config:
                                  "known so far and prompt + <mem> -> answer held in memory, after a '<think> probe "
                                  "</think> <answer>' marker that carries no loss: both memory-reward probes in "
                                  "distribution (0 = none)", min=0, max=1)
-    probe_think: str = flag(PROBE_THINK, "think word of the memory reward's answer template (the probe marker; "
-                                         "'answer' = no marker)")
+    probe_think: str = flag("auto", "think word of the memory reward's answer template: auto = the probe marker "
+                                    "where SFT probe rows teach it (this run's SFT, the embedded model), else the one "
+                                    "the checkpoint learnt (its probe_think.txt), else 'answer' (no marker)")
     # bookkeeping
     save_every: int = flag(20, "checkpoint every N RL steps", min=1)
     sft_save_every: int = flag(500, "checkpoint every N SFT steps", min=1)
@@ -239,9 +241,9 @@ MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_fl
 
 def parse_args(argv=None, config=Config):
     """Command line -> ``config`` (train.Config, or a recipe's subclass of it): one ``--flag`` per field, its
-    help and what it accepts from the field; a bool on by default gets ``--flag / --no-flag``. A value a flag
-    does not accept, or flags that together leave nothing to learn (``conflicts``), stop here with one line
-    and exit status 2; a flag set for nothing gets one warning line."""
+    help and what it accepts from the field; a bool gets ``--flag / --no-flag`` whatever its default, so a command
+    naming either form runs as written. A value a flag does not accept, or flags that together leave nothing to
+    learn (``conflicts``), stop here with one line and exit status 2; a flag set for nothing gets one warning line."""
     p = FlagParser(description=(config.__doc__ or __doc__).split("\n")[0])
     for f in fields(config):
         default = f.default if f.default is not MISSING else f.default_factory()
@@ -249,8 +251,7 @@ def parse_args(argv=None, config=Config):
         if f.name == "run":      # torchrun reads any "--run..." as its own --run-path: --run-dir gets through
             p.add_argument("--run-dir", "--run", dest="run", default=default, help=help + " (alias --run)")
         elif isinstance(default, bool):
-            p.add_argument(flag_name, action=argparse.BooleanOptionalAction if default else "store_true",
-                           default=default, help=help)
+            p.add_argument(flag_name, action=argparse.BooleanOptionalAction, default=default, help=help)
         else:
             p.add_argument(flag_name, type=f.metadata["accepts"], default=default, help=help)
     cfg = config(**vars(p.parse_args(argv)))
@@ -510,7 +511,8 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
     if off_policy or ref_model is not None:
         old = fixed_logprobs(model if off_policy else None, ref_model, parts, cfg, pad_id, device)
     model.train()
-    stats = {"clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "entropy": 0.0}
+    # "kl" only against a reference: without one it would read 0, as if the policy had not moved
+    stats = {"clip_frac": 0.0, "approx_kl": 0.0, "entropy": 0.0} | ({"kl": 0.0} if ref_model is not None else {})
     for epoch in range(cfg.ppo_epochs):
         losses, norms = [], []
         for mi, batches in enumerate(parts):
@@ -590,7 +592,8 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
         bar.set_postfix(score=f"{m['score']:.3f}", f1=f"{m.get('f1', m.get('e2e', 0.0)):.3f}")
         if (s + 1) % cfg.save_every == 0 or s + 1 == cfg.rl_steps:
             checkpoint.save_checkpoint(ckpt, model, tokenizer, optimizer,
-                                       {"stage": "rl", "step": s + 1, "precision": cfg.precision}, system_prompt)
+                                       {"stage": "rl", "step": s + 1, "precision": cfg.precision}, system_prompt,
+                                       cfg.probe_think)
 
 
 # --------------------------------------------------------------------------- a run
@@ -640,7 +643,20 @@ def load_policy(cfg: Config, device: torch.device):
             prompt = f.read().strip()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    cfg.probe_think = resolve_probe_think(cfg, state["stage"], ckpt if trainer is not None else cfg.model)
     return model, tokenizer, prompt, state, trainer
+
+
+def resolve_probe_think(cfg: Config, stage: str, source: str) -> str:
+    """``--probe-think``, or for ``auto`` the marker the policy answers after: ``probe`` where SFT probe rows teach
+    it (this run's SFT, or the embedded model, whose SFT always has them), else the one the checkpoint ``source``
+    learnt (``checkpoint.trained_probe_think``: ``answer`` for a model from elsewhere). A marker the policy never
+    learnt leaves P_full ~0 and the memory reward P_mem alone."""
+    if cfg.probe_think != "auto":
+        return cfg.probe_think
+    if not source or (stage == "sft" and cfg.sft_steps > 0 and cfg.sft_probe > 0):
+        return PROBE_THINK
+    return checkpoint.trained_probe_think(source)
 
 
 def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, trainer: dict | None, metrics_path: str,
@@ -671,7 +687,7 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
         model = model.merge_and_unload()        # RUN/final: one plain transformers model, adapters merged in
     model_sd, _ = dist.full_state(model, None)
     if dist.DIST.rank == 0:
-        checkpoint.save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd)
+        checkpoint.save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd, cfg.probe_think)
         print(f"saved {cfg.run}/final")
     checkpoint.close_reporters()
     dist.close()
