@@ -1,11 +1,12 @@
 """README's "A real run", run as written: each command of its bash block, in order, on tiny real-format files.
 
 The block is read from README.md, not copied here, so a command that drifts from the code fails this test. Each
-command runs as the user would (a subprocess, in a folder holding ``qa.jsonl``, ``test.jsonl``, ``wiki.jsonl``
-and ``trajectories.jsonl`` written by ``python sft.py --export``), with three changes: the model placeholders
-become a tiny random Qwen2 folder with a byte-level BPE tokenizer (``data.save_random_checkpoint``), ``$URL``
-becomes the address ``search.py serve`` prints, and small sizes are APPENDED (argparse keeps the last value), so
-the README's words are all there. The server listens on a free port (``--port 0``, appended too).
+command runs as the user would: a subprocess in a folder holding ``qa.jsonl``, ``test.jsonl``, ``wiki.jsonl`` and
+``trajectories.jsonl`` (the embedded world written by ``sft.export``, as ``python sft.py --export`` does). What
+changes: the model placeholders become a tiny random Qwen2 folder with a byte-level BPE tokenizer
+(``data.save_random_checkpoint``), ``$URL`` the address ``search.py serve`` prints, the LoRA line's ``...`` the RL
+line's data flags, and small sizes are APPENDED (argparse keeps the last value), so the README's words are all
+there. The server listens on a free port (``--port 0``, appended too).
 """
 import json
 import os
@@ -112,6 +113,8 @@ def test_every_readme_command_of_a_real_run_runs(workdir):
                 assert (d / "runs" / "sft" / "final" / "config.json").exists()
             else:
                 assert (d / "runs" / "rl" / "final" / "config.json").exists()
+                rows = [json.loads(x) for x in open(d / "runs" / "rl" / "metrics.jsonl")]
+                assert [r["search_failures"] for r in rows if r.get("stage") == "rl"] == [0]   # the server answered
         assert seen == ["serve", "train.py --run-dir", "train.py --run-dir", "eval.py --checkpoint",
                         "train.py --model"], seen
     finally:
