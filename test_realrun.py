@@ -114,7 +114,7 @@ def test_every_readme_command_of_a_real_run_runs(workdir):
             else:
                 assert (d / "runs" / "rl" / "final" / "config.json").exists()
                 rows = [json.loads(x) for x in open(d / "runs" / "rl" / "metrics.jsonl")]
-                assert [r["search_failures"] for r in rows if r.get("stage") == "rl"] == [0]   # the server answered
+                assert [r["search_failures"] for r in rows if r.get("stage") == "rl"] == [0]   # none failed
         assert seen == ["serve", "train.py --run-dir", "train.py --run-dir", "eval.py --checkpoint",
                         "train.py --model"], seen
     finally:
