@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 # the fixture policy, sampled hot with threshold 0 (test_train.py's settings): every step has memory-reward signal
 RL_ARGS = ["--questions", "2", "--group", "3", "--max-turns", "5", "--rl-objectives", "2", "--rl-hops", "1-2",
            "--eval-every", "0", "--save-every", "1", "--lr", "1e-2", "--max-new-tokens", "40", "--temperature", "0.5",
-           "--threshold", "0", "--lora-rank", "4", "--lora-alpha", "8"]
+           "--threshold", "0", "--lora-rank", "4", "--lora-alpha", "8", "--log-kl"]   # with LoRA the KL costs no copy
 
 
 def rl_rows(run) -> list[dict]:
