@@ -100,8 +100,13 @@ def _normalise(values: list[float], eps: float, by_std: bool, std_floor: float =
         return [v - mean for v in values]
     if n == 1:
         return [0.0]
-    std = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
-    return [(v - mean) / (max(std, std_floor) + eps) for v in values]
+    return [(v - mean) / (max(_unbiased_std(values), std_floor) + eps) for v in values]
+
+
+def _unbiased_std(values: list[float]) -> float:
+    """The unbiased std of >= 2 floats (torch.std's, as grouped_advantage uses)."""
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
 
 
 def _memory_pools(mem_rewards: list[list[float]], group_ids: list[int], rounds: list[list[int]] | None,
@@ -143,27 +148,16 @@ def memory_advantage(mem_rewards: list[list[float]], group_ids: list[int],
 def memory_pool_stds(mem_rewards: list[list[float]], group_ids: list[int],
                      rounds: list[list[int]] | None = None, norm: str = "std") -> list[float]:
     """The unbiased std of each pool of ``memory_advantage(norm=norm)`` that holds >= 2 rewards."""
-    stds = []
-    for members in _memory_pools(mem_rewards, group_ids, rounds, norm):
-        vals = [mem_rewards[i][k] for i, k in members]
-        if len(vals) > 1:
-            mean = sum(vals) / len(vals)
-            stds.append((sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5)
-    return stds
+    pools = [[mem_rewards[i][k] for i, k in members] for members in _memory_pools(mem_rewards, group_ids, rounds, norm)]
+    return [_unbiased_std(vals) for vals in pools if len(vals) > 1]
 
 
 def memory_pool_weights(mem_rewards: list[list[float]], mem_adv: list[list[float]], group_ids: list[int],
                         rounds: list[list[int]] | None = None, norm: str = "std") -> list[tuple[float, float]]:
     """(unbiased reward std, sum of |A_M|) of each pool of >= 2 rewards: how much of the memory advantage's
     magnitude a pool of a given spread carries (a pool whose rewards differ by 1e-3 still gets unit variance)."""
-    out = []
-    for members in _memory_pools(mem_rewards, group_ids, rounds, norm):
-        vals = [mem_rewards[i][k] for i, k in members]
-        if len(vals) > 1:
-            mean = sum(vals) / len(vals)
-            std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
-            out.append((std, sum(abs(mem_adv[i][k]) for i, k in members)))
-    return out
+    return [(_unbiased_std([mem_rewards[i][k] for i, k in members]), sum(abs(mem_adv[i][k]) for i, k in members))
+            for members in _memory_pools(mem_rewards, group_ids, rounds, norm) if len(members) > 1]
 
 
 def token_advantages(outcome_adv: Tensor, mem_adv: Tensor, mem_span: Tensor, loss_mask: Tensor,

@@ -55,8 +55,8 @@ import data
 import dist
 import viz
 from flags import FlagParser, flag
-from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_stds, memory_pool_weights,
-                  micro_batches, policy_loss, token_advantages, token_logprobs)
+from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_weights, micro_batches,
+                  policy_loss, token_advantages, token_logprobs)
 from memory import extract_mem
 from models import LORA_TARGETS, autocast, is_lora, load_pretrained
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
@@ -332,7 +332,7 @@ def add_entry_rewards(mem: dict, trajs, tasks: list, q0: int, weight: float) -> 
 
 
 def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config,
-                  mem_adv: list[list[float]] | None = None) -> dict[str, list]:
+                  mem_adv: list[list[float]] | None) -> dict[str, list]:
     """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
          "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
@@ -343,12 +343,12 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
         # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
         v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
               "mask_mem": mem["mask_mem"], "mask_full": mem["mask_full"], "empty": [mem["empty_frac"] * mem["n"]],
-              "no_signal": [mem["no_signal_frac"] * mem["n"]], "ungrounded": [mem["ungrounded"]],
-              "pool_std": memory_pool_stds(mem["rewards"], group_ids, mem["rounds"], cfg.mem_adv_norm)}
-        if mem_adv is not None:     # where the memory advantage's magnitude goes: pools by spread, no-signal rounds
-            no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
-            v |= {"pool_w": memory_pool_weights(mem["rewards"], mem_adv, group_ids, mem["rounds"], cfg.mem_adv_norm),
-                  "adv_ns": list(zip(no_signal, [a for r in mem_adv for a in r]))}
+              "no_signal": [mem["no_signal_frac"] * mem["n"]], "ungrounded": [mem["ungrounded"]]}
+        # each pool's (std, sum |A_M|): the stds the advantages are divided by, and where their magnitude goes
+        pool_w = memory_pool_weights(mem["rewards"], mem_adv, group_ids, mem["rounds"], cfg.mem_adv_norm)
+        no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
+        v |= {"pool_std": [s for s, _ in pool_w], "pool_w": pool_w,
+              "adv_ns": list(zip(no_signal, [a for r in mem_adv for a in r]))}
         if "entry" in mem:
             v["entry"] = mem["entry"]
     return v
