@@ -43,6 +43,7 @@ import argparse
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -165,6 +166,10 @@ class Config:
                                    "over P_full's)", choices=("separate", "full"))
     # a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std (none: no
     # better, results/STUDIES.md)
+    # share: a K = 4 group rarely ties, so GRPO has a gradient almost everywhere; all leaves the memory
+    # advantage alone on the groups that all fail or all succeed
+    outcome: str = flag("share", "outcome score the advantage ranks: share (objectives answered right / K) | all "
+                                 "(1 only when all K are right)", choices=("share", "all"))
     outcome_norm: str = flag("std", "outcome advantage: std ((score - group mean) / group std, GRPO's) | none "
                                     "(score - group mean, Dr.GRPO's)", choices=("std", "none"))
     mem_adv_norm: str = flag("std", "memory-pool normalisation: std (the paper's) | none | round | nonzero (zero "
@@ -188,6 +193,8 @@ class Config:
                                     "the checkpoint learnt (its probe_think.txt), else 'answer' (no marker)")
     # bookkeeping
     save_every: int = flag(20, "checkpoint every N RL steps", min=1)
+    keep_checkpoints: bool = flag(False, "also keep each RL checkpoint's model as RUN/step_NNNN (a learning curve "
+                                         "with eval.py, or the best step)")
     sft_save_every: int = flag(500, "checkpoint every N SFT steps", min=1)
     viz_every: int = flag(0, "write RUN/viz/step_NNNN.html (viz.py: rollouts, probes, per-token advantages) "
                                "every N RL steps; 0 = off", min=0)
@@ -428,6 +435,8 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
 
         t0 = time.time()
         outs = [outcome_reward(t) for t in trajs]
+        if cfg.outcome == "all":
+            outs = [{**o, "score": o["em"]} for o in outs]
         gids = torch.tensor([t.group_id for t in trajs])
         adv_t = grouped_advantage(torch.tensor([o["score"] for o in outs]), gids, norm_by_std=cfg.outcome_norm == "std")
         if cfg.algo == "mempo":
@@ -594,6 +603,9 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
             checkpoint.save_checkpoint(ckpt, model, tokenizer, optimizer,
                                        {"stage": "rl", "step": s + 1, "precision": cfg.precision}, system_prompt,
                                        cfg.probe_think)
+            if cfg.keep_checkpoints and dist.DIST.rank == 0:
+                shutil.copytree(ckpt, os.path.join(cfg.run, f"step_{s + 1:04d}"), dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("trainer.pt"))
 
 
 # --------------------------------------------------------------------------- a run
