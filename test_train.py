@@ -470,3 +470,35 @@ def test_probe_think_auto_is_the_marker_the_policy_learnt(tmp_path):
                 "--layers", "1", "--heads", "2", "--ffn", "64"])
     assert (tmp_path / "run" / "final" / "probe_think.txt").read_text() == "probe"
     assert json.loads((tmp_path / "run" / "config.json").read_text())["probe_think"] == "probe"
+
+
+def test_outcome_all_ranks_by_every_objective_right(sft_run, monkeypatch):
+    """--outcome all: the advantage sees 1 only where all K objectives are right (score_answer's em)."""
+    model, tok = load(sft_run / "final")
+    seen = []
+    monkeypatch.setattr(train, "outcome_reward", lambda t: {"score": 0.5, "em": float(t.group_id % 2), "f1": 0.5,
+                                                              "valid": True, "reason": "ok"})
+    monkeypatch.setattr(train, "grouped_advantage", lambda scores, gids, **kw: seen.append((scores, gids)) or
+                        grpo.grouped_advantage(scores, gids, **kw))
+    for outcome in ("share", "all"):
+        cfg = train.parse_args(RL_ARGS + ["--outcome", outcome, "--lr", "1e-9"])
+        m = train.rl_step(model, None, tok, torch.optim.AdamW(model.parameters(), lr=0.0), cfg, 0,
+                          train.agent_config(cfg))
+        scores, gids = seen[-1]
+        expect = (gids % 2).float() if outcome == "all" else torch.full_like(scores, 0.5)
+        assert torch.equal(scores, expect) and m["f1"] == 0.5
+        assert m["zero_var_frac"] == 1.0            # each group's rollouts share one group id, so one score
+
+
+def test_keep_checkpoints_keeps_each_saved_model(tmp_path):
+    args = ["--sft-steps", "0", "--questions", "2", "--group", "2", "--max-turns", "2", "--max-new-tokens", "8",
+            "--eval-every", "0", "--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--rl-steps", "3",
+            "--save-every", "2", "--lr", "1e-2"]
+    train.main(["--run", str(tmp_path / "run"), "--keep-checkpoints"] + args)
+    run = tmp_path / "run"
+    kept = sorted(p.name for p in run.glob("step_*"))
+    assert kept == ["step_0002", "step_0003"] and not (run / "step_0002" / "trainer.pt").exists()
+    final = (run / "ckpt" / "model.safetensors").read_bytes()
+    assert (run / "step_0003" / "model.safetensors").read_bytes() == final
+    train.main(["--run", str(tmp_path / "plain")] + args)
+    assert not list((tmp_path / "plain").glob("step_*"))
