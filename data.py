@@ -254,24 +254,6 @@ def parse_mem(mem: str) -> dict[int, list[str]]:
     return entries
 
 
-def mem_entry_score(task: Task, mem: str) -> float:
-    """Fraction of the task's objectives whose ``<mem>`` entry is right so far: the question's path with its
-    first h slots (any h) filled by the chain's true entities, under the objective's own number.
-
-    The world's own check of a memory, so it pays a round that keeps every entry before any answer is
-    found (``--entry-reward``); a dropped, garbled or invented entry earns nothing for its objective."""
-    entries = parse_mem(mem)
-    right = 0
-    for k, obj in enumerate(task.objectives):
-        path = open_path([obj.start] + obj.relations)
-        fills = [path]
-        for h, (_, _, o) in enumerate(obj.chain):
-            path = path[:2 * h + 2] + [o] + path[2 * h + 3:]
-            fills.append(path)
-        right += entries.get(k) in fills
-    return right / max(len(task.objectives), 1)
-
-
 def answers_from_mem(task: Task, mem: str) -> str:
     """What the expert answers from ``<mem>`` alone: a finished entry's last entity, else ``unknown``."""
     entries = parse_mem(mem)

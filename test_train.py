@@ -377,41 +377,6 @@ def test_group_stats_and_zero_variance_metrics():
     assert (m["zero_var_mem_k1"], m["zero_var_mem_k2"], m["zero_var_mem_k3"]) == (0.0, 1.0, 0.0)
 
 
-def test_entry_reward_pays_each_right_entry_and_adds_to_its_round():
-    """Hand-built 2-objective task: objective 1 = a r1 _ r2 _ (chain a r1 b, b r2 c), objective 2 = d r3 _."""
-    obj1 = data.Objective("a", ["r1", "r2"], [("a", "r1", "b"), ("b", "r2", "c")])
-    obj2 = data.Objective("d", ["r3"], [("d", "r3", "e")])
-    task = data.Task("1 : a r1 _ r2 _ ? 2 : d r3 _ ?", [["c"], ["e"]], [obj1, obj2])
-    score = lambda mem: data.mem_entry_score(task, mem)
-    assert score("1 = a r1 _ r2 _ ; 2 = d r3 _") == 1.0             # copied, nothing found yet
-    assert score("1 = a r1 b r2 _ ; 2 = d r3 e") == 1.0             # filled with the chain's entities
-    assert score("1 = a r1 b r2 c") == 0.5                          # entry 2 dropped before it was found
-    assert score("1 = a r1 x r2 _ ; 2 = d r3 e") == 0.5             # a wrong fill earns nothing
-    assert score("2 = a r1 _ r2 _ ; 1 = d r3 _") == 0.0             # right paths under the wrong numbers
-    assert score("1 = a r1 _ r2 c ; 2 =") == 0.0                    # a skipped slot is not a prefix fill
-    assert score("") == 0.0
-
-    class Round:
-        def __init__(self, text):
-            self.text = text
-    traj = type("T", (), {"group_id": 5, "rounds": [Round("<mem> 1 = a r1 _ r2 _ </mem> x"),
-                                                    Round("<mem> 1 = a r1 b r2 _ </mem> x"),
-                                                    Round("<mem> 1 = a r1 b r2 _ ; 2 = d r3 _ </mem> x")]})()
-    mem = {"rewards": [[0.25, -0.5]], "rounds": [[1, 2]]}
-    train.add_entry_rewards(mem, [traj], [task], q0=5, weight=2.0)
-    assert mem["rewards"] == [[0.25 + 2 * 0.5, -0.5 + 2 * 1.0]] and mem["entry"] == [0.5, 1.0]
-
-
-def test_rl_step_with_entry_reward_logs_the_entry_score(sft_run):
-    model, tok = load(sft_run / "final")
-    cfg = train.parse_args(RL_ARGS + ["--algo", "mempo", "--entry-reward", "1"])
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    m = train.rl_step(model, None, tok, opt, cfg, 0, train.agent_config(cfg))
-    assert 0.0 <= m["entry_score"] <= 1.0 and m["mem_rounds"] > 0
-    assert "entry_score" not in train.rl_step(model, None, tok, opt, train.parse_args(RL_ARGS + ["--algo", "mempo"]),
-                                              1, train.agent_config(cfg))
-
-
 def test_report_to_tensorboard_holds_every_number_of_metrics_jsonl(tmp_path):
     """--report-to tensorboard: each row's numbers as ``stage/key`` scalars at the row's step, SFT rows and RL rows,
     read back with tensorboard's own reader; the run's config as text."""

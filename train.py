@@ -58,7 +58,6 @@ import viz
 from flags import FlagParser, flag
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_weights, micro_batches,
                   policy_loss, token_advantages, token_logprobs)
-from memory import extract_mem
 from models import LORA_TARGETS, autocast, is_lora, load_pretrained
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
@@ -178,9 +177,6 @@ class Config:
     mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
                                      "whose rewards differ by a hair gets unit-variance advantages)", min=0)
     mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
-    # P_mem - P_full cannot see an entry dropped before its answer is found; the world can (data.mem_entry_score)
-    entry_reward: float = flag(0.0, "MemPO, embedded world: add this times the share of right <mem> entries to "
-                                    "each round's memory reward (0 = the paper's reward)", min=0)
     faithful: bool = flag(False, "the paper's memory reward exactly: --mem-mask separate --mem-adv-norm std "
                                  "--mem-weight 1, no gate")
     # without probe rows the small policy cannot answer right after a context (P_full ~0)
@@ -230,8 +226,6 @@ class Config:
                 if f.name in MEMPO_ONLY and getattr(self, f.name) != f.default:
                     warnings.append(f"--{f.name.replace('_', '-')} {getattr(self, f.name)}: unused with --algo grpo "
                                     f"(no memory reward)")
-        if self.entry_reward and self.data:
-            warnings.append(f"--entry-reward {self.entry_reward}: unused with --data (it scores the embedded world)")
         if self.lora_rank and self.fsdp:
             errors.append(f"--lora-rank {self.lora_rank}: not with --fsdp (LoRA under torchrun runs with DDP, the "
                           f"default)")
@@ -242,7 +236,7 @@ class Config:
 
 
 # the memory reward's flags: --algo grpo reads none of them
-MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_floor", "mem_gate", "entry_reward",
+MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_floor", "mem_gate",
               "faithful", "probe_think")
 
 
@@ -326,18 +320,6 @@ def build_samples(trajs, adv_t: torch.Tensor, mem: dict | None, mem_adv: list[li
     return samples
 
 
-def add_entry_rewards(mem: dict, trajs, tasks: list, q0: int, weight: float) -> None:
-    """``mem["rewards"][i][j] += weight * data.mem_entry_score`` of round ``mem["rounds"][i][j]``'s ``<mem>``;
-    the scores go to ``mem["entry"]`` for the step's ``entry_score``."""
-    mem["entry"] = []
-    for i, traj in enumerate(trajs):
-        task = tasks[traj.group_id - q0]
-        for j, t in enumerate(mem["rounds"][i]):
-            score = data.mem_entry_score(task, extract_mem(traj.rounds[t].text) or "")
-            mem["rewards"][i][j] += weight * score
-            mem["entry"].append(score)
-
-
 def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config,
                   mem_adv: list[list[float]] | None) -> dict[str, list]:
     """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
@@ -356,8 +338,6 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
         no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
         v |= {"pool_std": [s for s, _ in pool_w], "pool_w": pool_w,
               "adv_ns": list(zip(no_signal, [a for r in mem_adv for a in r]))}
-        if "entry" in mem:
-            v["entry"] = mem["entry"]
     return v
 
 
@@ -411,8 +391,6 @@ def step_metrics(v: dict[str, list]) -> dict:
         m["mem_adv_abs"] = mean(every)
         m["mem_adv_no_signal"] = mean(ns)                   # > 0: rounds with nothing to keep are pushed up
         m["mem_adv_no_signal_share"] = sum(abs(a) for a in ns) / (sum(every) or 1.0)
-    if "entry" in v:                    # --entry-reward: share of right <mem> entries over the scored rounds
-        m["entry_score"] = mean(v["entry"])
     return m
 
 
@@ -443,8 +421,6 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
             with autocast(cfg.precision, model.device):
                 mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
                                      think=cfg.probe_think, gate=cfg.mem_gate)
-            if cfg.entry_reward and real_tasks is None:
-                add_entry_rewards(mem, trajs, tasks, q0, cfg.entry_reward)
             mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm,
                                        std_floor=cfg.mem_std_floor)
         m["sec_reward"] = time.time() - t0
