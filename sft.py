@@ -226,7 +226,7 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
 
 
 def random_chains(rng: random.Random, names: list[str], objectives: tuple[int, int]) -> list[list[str]]:
-    """A question's chains for a copy or carry row: K in ``objectives``, each a random name and 1-3 relations (no
+    """A question's chains for a copy or fill row: K in ``objectives``, each a random name and 1-3 relations (no
     world behind them: these rows teach copying, not facts)."""
     return [[rng.choice(names)] + [rng.choice(data.RELATIONS) for _ in range(rng.randint(1, 3))]
             for _ in range(rng.randint(*objectives))]
@@ -323,17 +323,17 @@ def held_out_f1(model, tokenizer, k: int, n: int, seed: int, split: str, system_
     return sum(outcome_reward(t)["f1"] for t in trajs) / len(trajs)
 
 
-def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
-                system_prompt: str = data.SYSTEM_PROMPT, action: bool = False, fill: bool = False) -> list[Sample]:
-    """Rows of a later round whose search found nothing new: the previous round's ``<mem>`` (K entries, some slots
-    filled) carried whole into this round's ``<mem>``. With ``fill`` the previous round searched its memory's
-    next pair (``data.first_open_pair``) and the result shows the fact: this round fills that one slot.
+def fill_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
+               system_prompt: str = data.SYSTEM_PROMPT, action: bool = False) -> list[Sample]:
+    """Rows of a later round whose search found its memory's next fact: the previous round's ``<mem>`` (K entries,
+    some slots filled) searched its next pair (``data.first_open_pair``), the result shows the fact, and this
+    round's ``<mem>`` fills that one slot and carries the other entries whole.
 
     The expert's update rounds only ever rewrite a memory of its own K entries; these rows (names and results
-    drawn at random, no world) show a round >= 2 copying a memory of any K in ``objectives``, in the snail
+    drawn at random, no world) show a round >= 2 updating a memory of any K in ``objectives``, in the snail
     context the loop renders (the forced ``<mem>`` prefix without loss). With ``action`` the row goes on to
     the round's search (``round_action``)."""
-    rng = random.Random(cfg.seed * 5_000_011 + step + (7_919_000 if fill else 0))   # fill rows: their own draws
+    rng = random.Random(cfg.seed * 5_000_011 + step + 7_919_000)
     names, prefix = data.name_pool(), tokenizer.encode("<mem>", add_special_tokens=False)
     out = []
     for _ in range(n):
@@ -344,23 +344,19 @@ def carry_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
             for h in range(rng.randint(0, len(chain) - 1)):           # slots found so far
                 path[2 * h + 2] = rng.choice(names)
             entries[k] = path
-        if fill:
-            slot = data.first_open_slot(entries)
-            if slot is None:                                           # keep one slot open to fill
-                slot = len(entries) - 1, len(entries[len(entries) - 1]) - 1
-                entries[slot[0]][slot[1]] = data.SLOT
-            k, j = slot
-            s, r = entries[k][j - 2], entries[k][j - 1]
-        else:
-            s, r = rng.choice(names), rng.choice(data.RELATIONS)
+        slot = data.first_open_slot(entries)
+        if slot is None:                                               # keep one slot open to fill
+            slot = len(entries) - 1, len(entries[len(entries) - 1]) - 1
+            entries[slot[0]][slot[1]] = data.SLOT
+        k, j = slot
+        s, r = entries[k][j - 2], entries[k][j - 1]
         mem = data.format_mem(entries)
         docs = [f"d{rng.randrange(data.MAX_DOC_IDS)} {rng.choice([x for x in names if x != s])} "
-                f"{rng.choice(data.RELATIONS)} {rng.choice(names)}" for _ in range(3)]  # nothing on s r
+                f"{rng.choice(data.RELATIONS)} {rng.choice(names)}" for _ in range(3)]  # nothing on s r ...
         new = {k: list(path) for k, path in entries.items()}
-        if fill:
-            o = rng.choice(names)
-            docs[rng.randrange(3)] = f"d{rng.randrange(data.MAX_DOC_IDS)} {s} {r} {o}"
-            new[k][j] = o
+        o = rng.choice(names)
+        docs[rng.randrange(3)] = f"d{rng.randrange(data.MAX_DOC_IDS)} {s} {r} {o}"  # ... but one: the fact
+        new[k][j] = o
         records = [Record("prompt", data.format_question(chains)),
                    Record("llm_gen", f"<mem> {mem} </mem> <think> search </think> <search> {s} {r} </search>"),
                    tool_record("search_results", f"<information> {' | '.join(docs)} </information>")]
@@ -385,12 +381,9 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
         if cfg.sft_copy_mix > 0:         # copy rows past the expert's K keep round 1 of longer questions trained
             rows += copy_batch(tokenizer, cfg, step, system_prompt, round(cfg.sft_copy_mix * cfg.sft_batch),
                                (ks[0], ks[-1]), cfg.sft_row_action)
-        if cfg.sft_carry_mix > 0:        # and carry rows keep a later round's <mem> of that many entries whole
-            rows += carry_batch(tokenizer, cfg, step, round(cfg.sft_carry_mix * cfg.sft_batch), (ks[0], ks[-1]),
-                                system_prompt, cfg.sft_row_action)
         if cfg.sft_fill_mix > 0:         # and fill rows a later round's update of that many entries
-            rows += carry_batch(tokenizer, cfg, step, round(cfg.sft_fill_mix * cfg.sft_batch), (ks[0], ks[-1]),
-                                system_prompt, cfg.sft_row_action, fill=True)
+            rows += fill_batch(tokenizer, cfg, step, round(cfg.sft_fill_mix * cfg.sft_batch), (ks[0], ks[-1]),
+                               system_prompt, cfg.sft_row_action)
         return rows
 
     lr = lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)

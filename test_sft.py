@@ -1,4 +1,4 @@
-"""SFT rows: the expert's rounds, the probe rows of both memory-reward contexts, and the copy, carry and fill rows
+"""SFT rows: the expert's rounds, the probe rows of both memory-reward contexts, and the copy and fill rows
 that show a round's <mem> past the expert's K, each going on to the round's action."""
 import random
 
@@ -78,23 +78,6 @@ def test_sft_batch_renders_the_policy_rows_in_the_training_context():
     assert [r.ids[r.n_prompt:] for r in rows["snail"]] == [r.ids[r.n_prompt:] for r in rows["full"]]
 
 
-def test_carry_rows_copy_the_previous_memory_whole_after_a_search_that_found_nothing():
-    tok = data.build_tokenizer()
-    cfg = train.parse_args(["--sft-carry-mix", "0.25"])
-    rows = sft.carry_batch(tok, cfg, 900, 200, (3, 6))
-    counts = set()
-    for r in rows:
-        context, target = tok.decode(r.ids[:r.n_prompt]), tok.decode(r.ids[r.n_prompt:])
-        assert context.endswith("<mem>") and target.endswith("</mem>")     # the forced prefix carries no loss
-        previous = extract_mem(context.split("<|assistant|>")[-2].strip())
-        assert target.replace("</mem>", "").strip() == previous                # carried whole
-        counts.add(len(previous.split(";")))
-        query = context.split("<search>")[-1].split("</search>")[0].split()
-        found = context.split("<information>")[-1].split("</information>")[0].split("|")
-        assert all(doc.split()[1] != query[0] for doc in found)              # nothing on the searched entity
-    assert counts == {3, 4, 5, 6}
-
-
 def test_first_open_pair_is_the_experts_next_search():
     """On every search round of the expert's episodes (K 1-6, 1-3 hops), the pair before the first open slot of
     that round's <mem> is the pair it searches."""
@@ -115,18 +98,18 @@ def test_first_open_pair_is_the_experts_next_search():
 
 
 def test_row_action_rows_go_on_to_the_rounds_search():
-    """--sft-row-action: copy and carry rows end with the round's action, read from the row's own <mem> (as the
+    """--sft-row-action: copy and fill rows end with the round's action, read from the row's own <mem> (as the
     expert's: data.expert_episode's last round answers each entry's last word)."""
     tok = data.build_tokenizer()
     cfg = train.parse_args(["--sft-row-action"])
     rows = sft.copy_batch(tok, cfg, 900, n=100, objectives=(3, 6), action=True)
-    rows += sft.carry_batch(tok, cfg, 900, 100, (3, 6), action=True)
+    rows += sft.fill_batch(tok, cfg, 900, 100, (3, 6), action=True)
     for r in rows:
         target = tok.decode(r.ids[r.n_prompt:])
         mem, rest = target.split("</mem>")
         entries = data.parse_mem(mem.replace("<mem>", ""))
         pair = data.first_open_pair(entries)
-        if pair is None:                                                    # a carried memory, every entry finished
+        if pair is None:                                                    # the last slot filled: every entry finished
             answers = " ; ".join(entries[k][-1] for k in sorted(entries))
             assert rest.strip() == f"<think> answer </think> <answer> {answers} </answer>"
         else:
@@ -141,7 +124,7 @@ def test_fill_rows_fill_the_slot_their_search_found_and_nothing_else():
     tok = data.build_tokenizer()
     cfg = train.parse_args(["--sft-fill-mix", "0.25", "--sft-row-action"])
     counts = set()
-    for r in sft.carry_batch(tok, cfg, 900, 200, (3, 6), action=True, fill=True):
+    for r in sft.fill_batch(tok, cfg, 900, 200, (3, 6), action=True):
         context, target = tok.decode(r.ids[:r.n_prompt]), tok.decode(r.ids[r.n_prompt:])
         previous = data.parse_mem(extract_mem(context.split("<|assistant|>")[-2].strip()))
         query = context.split("<search>")[-1].split("</search>")[0].split()

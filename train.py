@@ -106,13 +106,10 @@ class Config:
     sft_copy_mix: float = flag(0.25, "after the warm-up, copy rows added to every SFT batch, as a share of --sft-batch",
                                min=0, max=1)
     sft_copy_objectives: str = flag("1-6", "objective counts K of those copy rows", int_range=True)
-    sft_carry_mix: float = flag(0.0, "after the warm-up, rows of a round >= 2 that found nothing new and carries its "
-                                     "<mem> of --sft-copy-objectives entries whole, as a share of --sft-batch",
-                                     min=0, max=1)
     sft_fill_mix: float = flag(0.25, "after the warm-up, rows of a round >= 2 whose search found its <mem>'s next fact "
                                     "and that fills it in, --sft-copy-objectives entries, as a share of --sft-batch",
                                     min=0, max=1)
-    sft_row_action: bool = flag(True, "those copy, carry and fill rows go on past </mem> to the round's search "
+    sft_row_action: bool = flag(True, "those copy and fill rows go on past </mem> to the round's search "
                                       "(the pair before the first open slot, as the expert's round at any K)")
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
     forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw", min=0, max=1)
