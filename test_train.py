@@ -177,13 +177,9 @@ def test_build_samples_and_collate_place_mem_span_and_memory_advantage_by_round_
     assert adv[1].tolist() == [0] * 6 + [2.0, 2.0, 0.5, 0.5]            # A_T + A_M on sampled <mem> tokens only
 
 
-def test_faithful_sets_its_four_options():
-    cfg = train.parse_args(["--faithful", "--mem-mask", "full", "--mem-adv-norm", "nonzero", "--mem-weight", "0.2",
-                            "--mem-gate", "--threshold", "0.9"])
-    assert (cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.mem_gate, cfg.threshold) == ("separate", "std", 1.0,
-                                                                                            False, 0.5)
+def test_the_default_memory_reward_is_the_papers():
     d = train.parse_args([])
-    assert (d.mem_mask, d.mem_adv_norm, d.mem_weight, d.mem_gate) == ("separate", "std", 1.0, False)  # the paper's
+    assert (d.mem_mask, d.mem_adv_norm, d.mem_weight, d.threshold) == ("separate", "std", 1.0, 0.5)
 
 
 def test_train_context_reaches_the_rollout_agent():

@@ -19,8 +19,8 @@ Every round is a training sample ``context + forced prefix + output`` (loss mask
 Choices of this project (measured: results/STUDIES.md):
 1. ``--train-context snail`` although the original trains with ``full`` context: the SFT data and every
    evaluation use snail-shell context, and training on another one is a train/eval drift.
-2. The memory reward is the paper's own (``--mem-mask separate --mem-adv-norm std``, weight 1, no gate:
-   what ``--faithful`` pins): once both probes are in distribution (reward.py, choice 1) it is the best of
+2. The memory reward is the paper's own (``--mem-mask separate --mem-adv-norm std``, weight 1, no gate):
+   once both probes are in distribution (reward.py, choice 1) it is the best of
    the variants measured on the validation worlds.
 3. One optimizer step per rollout batch (``--ppo-epochs 1 --ppo-minibatches 1``): ``old_logp`` is the detached
    ``logp`` of the same forward (ratio 1, exactly on-policy: REINFORCE with the group baseline, the clip never
@@ -174,8 +174,6 @@ class Config:
     mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
                                      "whose rewards differ by a hair gets unit-variance advantages)", min=0)
     mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
-    faithful: bool = flag(False, "the paper's memory reward exactly: --mem-mask separate --mem-adv-norm std "
-                                 "--mem-weight 1, no gate")
     # without probe rows the small policy cannot answer right after a context (P_full ~0)
     sft_probe: float = flag(0.3, "probability per expert round >= 2 of two extra SFT rows, round context -> answer "
                                  "known so far and prompt + <mem> -> answer held in memory, after a '<think> probe "
@@ -234,7 +232,7 @@ class Config:
 
 # the memory reward's flags: --algo grpo reads none of them
 MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_floor", "mem_gate",
-              "faithful", "probe_think")
+              "probe_think")
 
 
 def parse_args(argv=None, config=Config):
@@ -258,8 +256,6 @@ def parse_args(argv=None, config=Config):
         p.error(errors[0])
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
-    if cfg.faithful:
-        cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.mem_gate, cfg.threshold = "separate", "std", 1.0, False, 0.5
     return cfg
 
 
