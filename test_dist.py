@@ -208,6 +208,28 @@ RUN_ARGS = ["--sft-steps", "0", "--rl-steps", "30", "--save-every", "1", "--eval
             "--device", "cpu"] + ROLLOUT_ARGS + TINY
 
 
+def kill_torchrun(p: subprocess.Popen) -> None:
+    """SIGKILL to torchrun and to its workers, which it starts each in a session of its own (out of reach of
+    killpg: they would go on training and writing the run beside its resume); returns once none runs."""
+    workers = [int(d) for d in filter(str.isdigit, os.listdir("/proc")) if proc_stat(int(d))[1:2] == [str(p.pid)]]
+    assert len(workers) == 2, workers
+    os.killpg(p.pid, signal.SIGKILL)
+    for w in workers:
+        os.killpg(w, signal.SIGKILL)
+    p.wait()
+    while any(proc_stat(w)[:1] not in ([], ["Z"]) for w in workers):      # gone, or dead and not yet reaped
+        time.sleep(0.01)
+
+
+def proc_stat(pid: int) -> list[str]:
+    """``/proc/PID/stat`` after the command name: [state, ppid, ...]; [] once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def metrics(path):
     last = {}
     for line in open(path):
@@ -237,8 +259,7 @@ def test_torchrun_two_ranks_killed_then_resumed_with_one(tmp_path):
             pass
         time.sleep(0.05)
     assert p.poll() is None, p.stderr.read().decode()[-3000:]
-    os.killpg(p.pid, signal.SIGKILL)             # torchrun and both workers
-    p.wait()
+    kill_torchrun(p)
     assert not (killed / "final").exists(), "the run finished before it could be killed"
     done = torch.load(state, weights_only=False)["state"]["step"]
     assert 2 <= done < 30
