@@ -1,7 +1,8 @@
 """torchrun path of train.py on CPU (gloo, 2 processes, tiny models): one update split over two ranks
-equals one process updating on the whole batch (DDP and FSDP2), the ranks' rollouts are disjoint and
-together the single process's, the optimizer state converts between FSDP2 and the single-process
-format, and a 2-rank run killed with SIGKILL resumes with 1 process to the uninterrupted run's metrics."""
+equals one process updating on the whole batch (DDP and FSDP2), the ranks roll out disjoint shares of the
+single process's questions, each with its own seed, the optimizer state converts between FSDP2 and the
+single-process format, and a 2-rank run killed with SIGKILL resumes with 1 process to the metrics of the same
+run stopped cleanly at that step and continued with 1 process."""
 import json
 import os
 import signal
@@ -25,8 +26,7 @@ TINY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn", "64"]
 # micro-tokens 40 forces several micro-batches (a different number on each rank), grad-clip 0.05 makes
 # clipping bind, two epochs add the old-logp forwards; seq-mean-token-mean checks n_seqs
 UPDATE_ARGS = ["--micro-tokens", "40", "--grad-clip", "0.05", "--ppo-epochs", "2", "--lr", "0.1"]
-ROLLOUT_ARGS = ["--questions", "4", "--group", "2", "--max-turns", "2", "--max-new-tokens", "12",
-                "--seed-per-question"]
+ROLLOUT_ARGS = ["--questions", "4", "--group", "2", "--max-turns", "2", "--max-new-tokens", "12"]
 
 
 def free_port() -> int:
@@ -127,7 +127,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         res["error"] = "none"
     except Exception as e:
         res["error"] = repr(e)
-    # rollouts: this rank's share of a step's questions, seeded per question
+    # rollouts: this rank's share of a step's questions, seeded by (seed, step, rank)
     dist.DIST.fsdp = False
     model = tiny_model(tok).eval()
     tasks, tool = train.rl_tasks(cfg, step=3)
@@ -178,16 +178,26 @@ def test_two_ranks_update_and_rollouts_equal_one_process(tmp_path):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(osd["state"][i][k], s[k], atol=1e-7, rtol=1e-4), (i, k)
             assert torch.equal(osd2["state"][i][k], osd["state"][i][k])          # load -> gather round trip
-    # rollouts: disjoint question sets whose union (in rank order) is exactly the single process's
+    # rollouts: disjoint question sets whose union (in rank order) is the single process's; each rank's are what one
+    # process draws for that share with the rank's seed (rank 0: the single process's own seed)
     cfg = train.parse_args(ROLLOUT_ARGS + ["--device", "cpu"])
     tasks, tool = train.rl_tasks(cfg, step=3)
     agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens)
-    single = train.rollout_share(tiny_model(tok).eval(), tok, tasks, 0, cfg, 3, tool, agent)
-    single = [(t.group_id, t.question, [r.round_ids for r in t.rounds]) for t in single]
+
+    def alone(rank: int, share: range) -> list:
+        dist.DIST = dist.Dist(rank=rank, world=2)         # only the seed reads it: no process group
+        try:
+            trajs = train.rollout_share(tiny_model(tok).eval(), tok, tasks[share.start:share.stop], share.start, cfg,
+                                        3, tool, agent)
+        finally:
+            dist.DIST = dist.Dist()
+        return [(t.group_id, t.question, [r.round_ids for r in t.rounds]) for t in trajs]
+    single = alone(0, range(4))
     g0, g1 = {g for g, _, _ in r0["rollouts"]}, {g for g, _, _ in r1["rollouts"]}
     assert g0 == {0, 1} and g1 == {2, 3}
     assert {q for _, q, _ in r0["rollouts"]}.isdisjoint({q for _, q, _ in r1["rollouts"]})
-    assert r0["rollouts"] + r1["rollouts"] == single
+    assert [(g, q) for g, q, _ in r0["rollouts"] + r1["rollouts"]] == [(g, q) for g, q, _ in single]
+    assert r0["rollouts"] == alone(0, range(2)) and r1["rollouts"] == alone(1, range(2, 4))
     assert len(single) == 8 and len({str(x) for _, _, x in single}) > 1          # really sampled
 
 
@@ -240,15 +250,11 @@ def metrics(path):
 
 def test_torchrun_two_ranks_killed_then_resumed_with_one(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    full = tmp_path / "full"
-    subprocess.run([sys.executable, "train.py", "--run", str(full)] + RUN_ARGS, cwd=HERE, env=env, check=True,
-                   capture_output=True)
-    killed = tmp_path / "killed"
     # the README's command form: torchrun ... train.py --run-dir DIR (torchrun rejects --run)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py",
-           "--run-dir", str(killed)] + RUN_ARGS
-    p = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         start_new_session=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py"]
+    killed = tmp_path / "killed"
+    p = subprocess.Popen(torchrun + ["--run-dir", str(killed)] + RUN_ARGS, cwd=HERE, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     state = killed / "ckpt" / "trainer.pt"
     deadline = time.time() + 90
     while time.time() < deadline and p.poll() is None:
@@ -263,11 +269,16 @@ def test_torchrun_two_ranks_killed_then_resumed_with_one(tmp_path):
     assert not (killed / "final").exists(), "the run finished before it could be killed"
     done = torch.load(state, weights_only=False)["state"]["step"]
     assert 2 <= done < 30
-    subprocess.run([sys.executable, "train.py", "--run", str(killed), "--resume"] + RUN_ARGS, cwd=HERE, env=env,
+    # the same run stopped cleanly at that step: 2 ranks for its first steps, then 1 process
+    full = tmp_path / "full"
+    subprocess.run(torchrun + ["--run-dir", str(full)] + RUN_ARGS + ["--rl-steps", str(done)], cwd=HERE, env=env,
                    check=True, capture_output=True)
+    for run in (full, killed):
+        subprocess.run([sys.executable, "train.py", "--run", str(run), "--resume"] + RUN_ARGS, cwd=HERE, env=env,
+                       check=True, capture_output=True)
     a, b = metrics(full / "metrics.jsonl"), metrics(killed / "metrics.jsonl")
     assert sorted(a) == sorted(b) == [("rl", s) for s in range(30)]
-    for key in a:                                 # seeded per question: the same rollouts at 2 ranks and 1
+    for key in a:                                 # both: 2 ranks before step `done`, 1 process from it
         for k in ("score", "turns", "tokens", "valid"):
             assert a[key][k] == b[key][k], (key, k)
     assert (killed / "final" / "config.json").exists()

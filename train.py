@@ -197,9 +197,6 @@ class Config:
     # torchrun (dist.py)
     fsdp: bool = flag(False, "torchrun only: shard the model with FSDP2 (each decoder layer, then the root) instead "
                              "of DDP")
-    seed_per_question: bool = flag(False, "roll out one question at a time, seeded by (seed, step, question): the "
-                                          "same rollouts with any number of ranks (costs the batching across "
-                                          "questions)")
     dist_timeout: int = flag(1800, "torchrun only: seconds a collective waits for the other ranks before the run "
                                    "fails", min=1)
 
@@ -283,16 +280,7 @@ def rl_tasks(cfg: Config, step: int, real_tasks=None, real_tool=None):
 
 def rollout_share(model, tokenizer, tasks: list, q0: int, cfg: Config, step: int, tool, agent: AgentConfig) -> list:
     """The rollouts of ``tasks`` (global question indices q0, q0+1, ...; torchrun: this rank's share); group ids
-    are global. Seeded from (seed, step, rank), or per question with ``--seed-per-question`` (dist.py)."""
-    if cfg.seed_per_question:
-        trajs = []
-        for q, task in enumerate(tasks, start=q0):
-            gen = torch.Generator(device=model.device).manual_seed((cfg.seed * 9_000_011 + step) * 1_000_003 + q)
-            part = rollout(model, tokenizer, [task], cfg.group, tool, agent, gen)
-            for t in part:
-                t.group_id = q
-            trajs += part
-        return trajs
+    are global. Seeded from (seed, step, rank) (dist.py)."""
     gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step + dist.DIST.rank * 10**12)
     trajs = rollout(model, tokenizer, tasks, cfg.group, tool, agent, gen)
     for t in trajs:
