@@ -1,82 +1,60 @@
-"""Diagnostics: look inside embedded-world episodes, where the world's facts are known.
+"""Diagnostics: look inside a checkpoint's embedded-world episodes, where the world's facts are known.
 
-What ``<mem>`` kept: ``memory_diagnostics`` (retention by rounds-ago, faithfulness, turn drift), ``probe_by_found``
-(the memory reward's two probes split by found / kept / dropped) and ``p_by_round``. What RL changed:
-``stop_value`` (does the objective pay for answering early), ``first_error`` and ``decisions`` (does an RL
-checkpoint fix its SFT start's greedy errors, does it change the choices the start got right).
+    python diagnostics.py --checkpoint runs/default --objectives 2 4 --split valid --memory
+    python diagnostics.py --checkpoint runs/default --objectives 2 4 --temperature 1 --max-turns 16 --stop-value
+    python diagnostics.py --checkpoint runs/default/sft --objectives 4 --decisions runs/default
 
-Plain functions over trajectories and models: they sample only where a check branches (``stop_value``) and
-import neither ``eval.py`` nor ``train.py``. ``python eval.py --diagnostics / --stop-value / --decisions RUN``
-runs them on a checkpoint's episodes (which eval.py makes) and prints the reports at the end of this file.
+What ``<mem>`` kept (``--memory``): ``memory_diagnostics`` (eval.py's retention by rounds-ago and turn drift,
+faithfulness, round 2's update), ``probe_by_found`` (the memory reward's two probes split by found / kept /
+dropped) and ``p_by_round``, with the memory reward's settings from the run's ``config.json``. What RL changed:
+``stop_value`` (``--stop-value``: does the objective pay for answering early), ``first_error`` and ``decisions``
+(``--decisions RUN``: does an RL checkpoint fix its SFT start's greedy errors, does it change the choices the
+start got right).
+
+Plain functions over trajectories and models: they sample only where a check branches (``stop_value``). The
+episodes are eval.py's (its agent, held-out worlds and checkpoint loading); each mode prints its report, then
+one JSON line.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
 from typing import Callable
 
 import torch
 
 import data
+from eval import embedded_tasks, greedy_agent, load, mean_ci, memory_retention, run_reward_config
+from flags import Accepts, FlagParser
 from memory import extract_mem
+from models import gguf_file, pick_device
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, mem_grounded, memory_rewards, outcome_reward, template_objectives
-from rollout import Round, Trajectory, cut_at_stop, generate, parse_action, stop_strings
-
-AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
+from rollout import AgentConfig, Round, Trajectory, cut_at_stop, generate, parse_action, run_episodes, stop_strings
 
 
 # --------------------------------------------------------------------------- what <mem> kept
 
 def memory_diagnostics(trajs: list, tasks: list) -> dict:
-    """Retention, faithfulness and turn drift of ``<mem>``, measurable because the world's facts are known.
+    """``eval.memory_retention`` (retention by rounds-ago, turn drift), faithfulness, and round 2's memory update
+    (``first_update``).
 
-    Objective k's *needed* entity after some rounds is the newest object of its gold chain that an
-    earlier search retrieved (its answer once the chain is complete). Retention at round t >= 2 =
-    fraction of needed entities that ``<mem>`` holds in objective k's entry (``k = path``), by
-    how many rounds ago the entity was retrieved, and for rounds 2-8 vs 9-64 (turn drift).
     Faithfulness = fraction of ``<mem>`` entries whose words all occur in the question or an earlier
     tool result (an invented entry is reward hacking).
     """
-    kept = {b: [0, 0] for b in AGO_BUCKETS}
-    drift = {"rounds 2-8": [0, 0], "rounds 9-64": [0, 0]}
     faithful = [0, 0]
     for traj in trajs:
-        task = tasks[traj.group_id]
-        tools = [r.text for r in traj.records if r.type in ("search_results", "webpage")]
-        found: dict[tuple[int, int], int] = {}           # (objective, hop) -> round that retrieved it
-        for t, rnd in enumerate(traj.rounds):
-            if t >= 1:
-                mem = extract_mem(rnd.text)
-                entries = data.parse_mem(mem or "")
-                for e in (mem or "").split(";"):
-                    if e.strip():
-                        faithful[0] += mem_grounded(e, [task.question] + tools[:t])
-                        faithful[1] += 1
-                for k, obj in enumerate(task.objectives):
-                    hops = [h for h in range(len(obj.chain)) if (k, h) in found]
-                    if not hops:
-                        continue
-                    h = max(hops)
-                    hit = int(obj.chain[h][2] in entries.get(k, []))
-                    ago = t - found[(k, h)]
-                    for b in AGO_BUCKETS:
-                        if b[0] <= ago <= b[1]:
-                            kept[b][0] += hit
-                            kept[b][1] += 1
-                    d = drift["rounds 2-8" if t < 8 else "rounds 9-64"]
-                    d[0] += hit
-                    d[1] += 1
-            if t < len(tools) and rnd.action == "search":
-                query = parse_action(rnd.text)[1].split()
-                for k, obj in enumerate(task.objectives):
-                    for h, f in enumerate(obj.chain):      # retrieved: searched for and shown
-                        if query == list(f[:2]) and " ".join(f) in tools[t] and (k, h) not in found:
-                            found[(k, h)] = t
-    ratio = lambda a: a[0] / a[1] if a[1] else float("nan")
-    return {"retention": ratio([sum(v[0] for v in kept.values()), sum(v[1] for v in kept.values())]),
-            "retention_by_ago": {f"{a}-{b}": ratio(v) for (a, b), v in kept.items()},
-            "retention_drift": {k: ratio(v) for k, v in drift.items()},
-            "faithfulness": ratio(faithful), "mem_entries": faithful[1], "first_update": first_update(trajs, tasks)}
+        sources = [tasks[traj.group_id].question] + [r.text for r in traj.records
+                                                     if r.type in ("search_results", "webpage")]
+        for t, rnd in enumerate(traj.rounds[1:], start=1):
+            for e in (extract_mem(rnd.text) or "").split(";"):
+                if e.strip():
+                    faithful[0] += mem_grounded(e, sources[:t + 1])     # the question and the results before t
+                    faithful[1] += 1
+    return memory_retention(trajs, tasks) | {
+        "faithfulness": faithful[0] / faithful[1] if faithful[1] else float("nan"), "mem_entries": faithful[1],
+        "first_update": first_update(trajs, tasks)}
 
 
 def first_update(trajs: list, tasks: list) -> dict:
@@ -348,22 +326,10 @@ def decisions(model, other, tokenizer, trajs: list, tasks: list) -> dict:
     return res
 
 
-# --------------------------------------------------------------------------- the reports eval.py prints
-
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
-
-
-def mean_ci(xs: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% t-interval (0 for one value)."""
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, 0.0
-    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
-    return m, T95.get(len(xs) - 1, 1.96) * sd / len(xs) ** 0.5
-
+# --------------------------------------------------------------------------- the reports
 
 def print_memory_diagnostics(k: int, d: dict, probe_temperature: float, think: str) -> None:
-    """``python eval.py --diagnostics``' lines for objective count ``k``: retention, P by round, the probes."""
+    """``--memory``'s lines for objective count ``k``: retention, P by round, the probes."""
     print(f"K={k}: retention {d['retention']:.3f}  faithfulness {d['faithfulness']:.3f}  "
           f"by rounds-ago {json.dumps({a: round(v, 3) for a, v in d['retention_by_ago'].items()})}  "
           f"drift {json.dumps({a: round(v, 3) for a, v in d['retention_drift'].items()})}")
@@ -415,7 +381,7 @@ def print_decisions(res: dict, title: str = "") -> None:
 
 def report_stop_value(model, tokenizer, episodes: Callable[[int], tuple[list, list]], ks: list[int],
                       temperature: float, max_turns: int, max_new_tokens: int, seed: int, checkpoint: str) -> None:
-    """``python eval.py --stop-value``: ``stop_value`` per K on ``episodes(k)`` (-> trajectories, tasks), its
+    """``--stop-value``: ``stop_value`` per K on ``episodes(k)`` (-> trajectories, tasks), its
     table per K, then one JSON line."""
     out = {}
     for k in ks:
@@ -427,7 +393,7 @@ def report_stop_value(model, tokenizer, episodes: Callable[[int], tuple[list, li
 
 def report_decisions(model, other, tokenizer, episodes: Callable[[int], tuple[list, list]], ks: list[int],
                      checkpoint: str, other_name: str) -> None:
-    """``python eval.py --decisions RUN``: ``decisions`` of ``other`` per K on ``model``'s greedy ``episodes(k)``,
+    """``--decisions RUN``: ``decisions`` of ``other`` per K on ``model``'s greedy ``episodes(k)``,
     its lines per K, then one JSON line."""
     out = {}
     for k in ks:
@@ -435,3 +401,109 @@ def report_decisions(model, other, tokenizer, episodes: Callable[[int], tuple[li
         out[str(k)] = decisions(model, other, tokenizer, trajs, tasks)
         print_decisions(out[str(k)], f"K={k}: {other_name} on {checkpoint}'s greedy episodes")
     print(json.dumps({"checkpoint": checkpoint, "other": other_name, "decisions": out}))
+
+
+# --------------------------------------------------------------------------- the command line
+
+def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int, hops: tuple[int, int],
+             system_prompt: str = data.SYSTEM_PROMPT, mask_mode: str = MEM_MASK,
+             threshold: float = THRESHOLD, think: str = PROBE_THINK, probe_temperature: float = 1.0,
+             probe_turns: int = 16) -> dict:
+    """``--memory``: ``memory_diagnostics``, P_full / P_mem by round and the probes split by found / kept / dropped
+    (``probe_by_found``) per K, each K's lines printed.
+
+    Retention and P by round come from greedy episodes; the probe split from episodes sampled at
+    ``probe_temperature`` (seeded) with training's turn limit, the rollouts the RL reward scores.
+    """
+    agent = greedy_agent("snail", max_turns, system_prompt=system_prompt)
+    sampled = AgentConfig(system_prompt=system_prompt, context="snail", max_turns=probe_turns,
+                          max_new_tokens=agent.max_new_tokens, temperature=probe_temperature)
+    out = {}
+    for k in ks:
+        tasks, tool = embedded_tasks(k, n, 0, split, hops)
+        trajs = run_episodes(model, tokenizer, tasks, tool, agent)
+        out[k] = memory_diagnostics(trajs, tasks) | {"p_by_round": p_by_round(model, tokenizer, trajs, threshold,
+                                                                              mask_mode, think)}
+        torch.manual_seed(k)
+        strajs = run_episodes(model, tokenizer, tasks, tool, sampled)
+        out[k]["probe"] = probe_by_found(model, tokenizer, strajs, tasks, threshold, mask_mode, think)
+        out[k]["first_update_sampled"] = first_update(strajs, tasks)
+        print_memory_diagnostics(k, out[k], probe_temperature, think)
+    return out
+
+
+def held_out_episodes(model, tokenizer, agent: AgentConfig, n: int, seed: int, split: str,
+                      hops: tuple[int, int]):
+    """``k -> (trajectories, tasks)``: ``agent``'s episodes on ``n`` held-out K-objective questions."""
+    def episodes(k: int) -> tuple[list, list]:
+        tasks, tool = embedded_tasks(k, n, seed, split, hops)
+        return run_episodes(model, tokenizer, tasks, tool, agent), tasks
+    return episodes
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = FlagParser(description="Diagnostics of a checkpoint on held-out embedded worlds.")
+    p.add_argument("--checkpoint", "--model", dest="checkpoint", required=True,
+                   help="run folder or checkpoint folder saved by train.py (e.g. runs/default), or a model folder")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--memory", action="store_true",
+                      help="memory retention / faithfulness / P by round, the probes by found / kept / dropped")
+    mode.add_argument("--stop-value", action="store_true",
+                      help="at every round that searched: Q_stop (force the answer now) vs Q_go (search on), per K")
+    mode.add_argument("--decisions", default="", metavar="RUN",
+                      help="RUN (e.g. the RL run of this SFT checkpoint) on this checkpoint's greedy episodes: does "
+                           "it fix their first errors, does it change their right choices (word tokenizer)")
+    p.add_argument("--objectives", type=Accepts(int, min=1), nargs="+", default=[1, 2, 4, 6, 8, 10],
+                   help="objective counts K")
+    p.add_argument("--context", default="snail", type=Accepts(str, choices=("snail", "full")),
+                   help="context of the episodes --stop-value and --decisions look at (--memory: snail)")
+    p.add_argument("--max-turns", type=Accepts(int, min=1), default=64, help="max rounds per episode")
+    p.add_argument("--max-new-tokens", type=Accepts(int, min=1), default=128,
+                   help="max tokens per round (--stop-value, --decisions)")
+    p.add_argument("--tasks", type=Accepts(int, min=1), default=64, help="questions per K")
+    p.add_argument("--split", default="test", type=Accepts(str, choices=tuple(data.SPLIT_SEEDS)),
+                   help="held-out world seeds")
+    p.add_argument("--seed", type=Accepts(int, unbounded=True), default=0,
+                   help="which held-out worlds (--stop-value, --decisions), and the sampling seed")
+    p.add_argument("--hops", default="1-3", type=Accepts(str, int_range=True), help="hops per objective, e.g. 1-3")
+    p.add_argument("--temperature", type=Accepts(float, min=0), default=0.0,
+                   help="--stop-value: the episodes' and the branches' sampling temperature (0 = greedy)")
+    p.add_argument("--probe-think", default="", help="--memory: the probes' think word (default: the run's)")
+    p.add_argument("--system-prompt", default="", help="text file with the system prompt (default: the checkpoint's)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    args = p.parse_args(argv)
+    for run in [args.checkpoint] + ([args.decisions] if args.decisions else []):
+        if not os.path.isdir(run) and gguf_file(run) is None:      # it would reach the model hub as a model name
+            p.error(f"checkpoint folder {run} does not exist")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    hops = tuple(int(x) for x in args.hops.split("-"))
+    model, tokenizer, prompt = load(args.checkpoint, device)
+    torch.manual_seed(args.seed)                    # --temperature > 0: the same sampled episodes on a rerun
+    if args.system_prompt:
+        with open(args.system_prompt, encoding="utf-8") as f:
+            prompt = f.read().strip()
+    if args.memory:
+        mask_mode, threshold, think = run_reward_config(args.checkpoint)  # P_mem as the run's reward saw it
+        res = diagnose(model, tokenizer, args.objectives, args.tasks, args.split, args.max_turns, hops, prompt,
+                       mask_mode, threshold, args.probe_think or think)
+        print(json.dumps({"checkpoint": args.checkpoint, "mem_mask": mask_mode,
+                          "diagnostics": {str(k): v for k, v in res.items()}}))
+    elif args.stop_value:
+        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt, args.temperature)
+        episodes = held_out_episodes(model, tokenizer, agent, args.tasks, args.seed, args.split, hops)
+        report_stop_value(model, tokenizer, episodes, args.objectives, args.temperature, args.max_turns,
+                          args.max_new_tokens, args.seed, args.checkpoint)
+    else:
+        other = load(args.decisions, device)[0]
+        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
+        episodes = held_out_episodes(model, tokenizer, agent, args.tasks, args.seed, args.split, hops)
+        report_decisions(model, other, tokenizer, episodes, args.objectives, args.checkpoint, args.decisions)
+
+
+if __name__ == "__main__":
+    main()

@@ -17,11 +17,10 @@ Held-out sets of the embedded world are new worlds (new fact graphs and question
 pool of entity names as training; ``--split valid`` and ``--split test`` are disjoint world seeds:
 pick settings on ``valid``, report on ``test``.
 
-``--diagnostics`` reads the memory reward's settings from the run's ``config.json`` (``run_reward_config``).
-``--stop-value`` and ``--decisions RUN`` are RL's diagnostics: does the objective pay for answering
-early, and does an RL checkpoint fix its SFT start's greedy errors or change its right choices. The checks
-themselves live in ``diagnostics.py`` (plain functions over episodes); this file runs them and prints them.
-Other recipes have their own evaluations: ``python -m recipes.memalpha_eval``, ``python -m recipes.memtrain_eval``.
+In the embedded world, where the facts are known, ``--compare`` also reports memory retention (``memory_retention``):
+the share of found facts the agent's ``<mem>`` still holds, by rounds since it found them. A look inside the
+episodes (the memory reward's probes, the stop value, what RL changed) is ``diagnostics.py``. Other recipes have
+their own evaluations: ``python -m recipes.memalpha_eval``, ``python -m recipes.memtrain_eval``.
 """
 from __future__ import annotations
 
@@ -35,17 +34,18 @@ from tqdm import tqdm
 
 import data
 import sft
-from diagnostics import (first_update, mean_ci, memory_diagnostics, p_by_round, print_memory_diagnostics,
-                         probe_by_found, report_decisions, report_stop_value)
 from flags import Accepts, FlagParser
+from memory import extract_mem
 from models import gguf_file, load_pretrained, pick_device
 from checkpoint import run_config, trained_probe_think
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
-from rollout import AgentConfig, checkpoint_prompt, run_episodes
+from rollout import AgentConfig, checkpoint_prompt, parse_action, run_episodes
 from search import Retriever, SearchTool, open_search
 import viz
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
+AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def run_reward_config(checkpoint: str) -> tuple[str, float, str]:
@@ -73,6 +73,58 @@ def summarize(trajs: list) -> dict:
     early = [e for e in map(early_answer, trajs) if e is not None]
     return ({k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} | {"n": len(rows)}
             | ({"early": sum(early) / len(early)} if early else {}))
+
+
+def memory_retention(trajs: list, tasks: list) -> dict:
+    """How much of what the agent found its ``<mem>`` keeps, measurable because the world's facts are known.
+
+    Objective k's *needed* entity after some rounds is the newest object of its gold chain that an
+    earlier search retrieved (its answer once the chain is complete). Retention at round t >= 2 =
+    fraction of needed entities that ``<mem>`` holds in objective k's entry (``k = path``), by
+    how many rounds ago the entity was retrieved, and for rounds 2-8 vs 9-64 (turn drift).
+    """
+    kept = {b: [0, 0] for b in AGO_BUCKETS}
+    drift = {"rounds 2-8": [0, 0], "rounds 9-64": [0, 0]}
+    for traj in trajs:
+        task = tasks[traj.group_id]
+        tools = [r.text for r in traj.records if r.type in ("search_results", "webpage")]
+        found: dict[tuple[int, int], int] = {}           # (objective, hop) -> round that retrieved it
+        for t, rnd in enumerate(traj.rounds):
+            if t >= 1:
+                entries = data.parse_mem(extract_mem(rnd.text) or "")
+                for k, obj in enumerate(task.objectives):
+                    hops = [h for h in range(len(obj.chain)) if (k, h) in found]
+                    if not hops:
+                        continue
+                    h = max(hops)
+                    hit = int(obj.chain[h][2] in entries.get(k, []))
+                    ago = t - found[(k, h)]
+                    for b in AGO_BUCKETS:
+                        if b[0] <= ago <= b[1]:
+                            kept[b][0] += hit
+                            kept[b][1] += 1
+                    d = drift["rounds 2-8" if t < 8 else "rounds 9-64"]
+                    d[0] += hit
+                    d[1] += 1
+            if t < len(tools) and rnd.action == "search":
+                query = parse_action(rnd.text)[1].split()
+                for k, obj in enumerate(task.objectives):
+                    for h, f in enumerate(obj.chain):      # retrieved: searched for and shown
+                        if query == list(f[:2]) and " ".join(f) in tools[t] and (k, h) not in found:
+                            found[(k, h)] = t
+    ratio = lambda a: a[0] / a[1] if a[1] else float("nan")
+    return {"retention": ratio([sum(v[0] for v in kept.values()), sum(v[1] for v in kept.values())]),
+            "retention_by_ago": {f"{a}-{b}": ratio(v) for (a, b), v in kept.items()},
+            "retention_drift": {k: ratio(v) for k, v in drift.items()}}
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval (0 for one value)."""
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+    return m, T95.get(len(xs) - 1, 1.96) * sd / len(xs) ** 0.5
 
 
 def evaluate(model, tokenizer, tasks: list, tool: Retriever, agent: AgentConfig, batch: int = 64,
@@ -172,12 +224,12 @@ def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, c
             for k in ks:
                 tasks, tool = embedded_tasks(k, n, 0, split, hops)
                 trajs = run_episodes(model, tok, tasks, tool, agent)
-                res[k] = summarize(trajs) | {"retention": memory_diagnostics(trajs, tasks)["retention"]}
+                res[k] = summarize(trajs) | {"retention": memory_retention(trajs, tasks)["retention"]}
                 for t in trajs:                                  # pool K: index into tasks_all
                     t.group_id += len(tasks_all)
                 trajs_all += trajs
                 tasks_all += tasks
-            res["by_ago"] = memory_diagnostics(trajs_all, tasks_all)["retention_by_ago"]
+            res["by_ago"] = memory_retention(trajs_all, tasks_all)["retention_by_ago"]
             per_run.append(res)
         nan_free = lambda xs: [x for x in xs if x == x] or [float("nan")]
         out[name] = {k: {m: mean_ci(nan_free([r[k][m] for r in per_run])) for m in metrics}
@@ -252,33 +304,6 @@ def plot_compare(res: dict, folder: str, expert_pt: dict | None = None) -> list[
     return paths
 
 
-def diagnose(model, tokenizer, ks: list[int], n: int, split: str, max_turns: int, hops: tuple[int, int],
-             system_prompt: str = data.SYSTEM_PROMPT, mask_mode: str = MEM_MASK,
-             threshold: float = THRESHOLD, think: str = PROBE_THINK, probe_temperature: float = 1.0,
-             probe_turns: int = 16) -> dict:
-    """Memory diagnostics (retention by rounds-ago, faithfulness, drift), P_full / P_mem by round, and the
-    probes split by found / kept / dropped (``probe_by_found``).
-
-    Retention and P by round come from greedy episodes; the probe split from episodes sampled at
-    ``probe_temperature`` (seeded) with training's turn limit, the rollouts the RL reward scores.
-    """
-    agent = greedy_agent("snail", max_turns, system_prompt=system_prompt)
-    sampled = AgentConfig(system_prompt=system_prompt, context="snail", max_turns=probe_turns,
-                          max_new_tokens=agent.max_new_tokens, temperature=probe_temperature)
-    out = {}
-    for k in ks:
-        tasks, tool = embedded_tasks(k, n, 0, split, hops)
-        trajs = run_episodes(model, tokenizer, tasks, tool, agent)
-        out[k] = memory_diagnostics(trajs, tasks) | {"p_by_round": p_by_round(model, tokenizer, trajs, threshold,
-                                                                              mask_mode, think)}
-        torch.manual_seed(k)
-        strajs = run_episodes(model, tokenizer, tasks, tool, sampled)
-        out[k]["probe"] = probe_by_found(model, tokenizer, strajs, tasks, threshold, mask_mode, think)
-        out[k]["first_update_sampled"] = first_update(strajs, tasks)
-        print_memory_diagnostics(k, out[k], probe_temperature, think)
-    return out
-
-
 def show_episodes(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:
     """``--show`` / ``--viz`` / ``--question``: greedy episodes printed round by round (viz.format_episode) and
     / or written as one page (viz.write_page), with each round's P_full / P_mem as the run's reward saw them."""
@@ -332,8 +357,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="held-out world seeds")
     p.add_argument("--seed", type=Accepts(int, unbounded=True), default=0, help="which held-out worlds")
     p.add_argument("--hops", default="1-3", type=Accepts(str, int_range=True), help="hops per objective, e.g. 1-3")
-    p.add_argument("--diagnostics", action="store_true", help="also print memory retention / faithfulness / P by round")
-    p.add_argument("--probe-think", default="", help="with --diagnostics: the probes' think word (default: the run's)")
     p.add_argument("--plot", default="", metavar="FOLDER", help="with --compare: write F1-vs-K and retention PNGs here")
     p.add_argument("--data", default="", help="QA file (JSONL/parquet) instead of the embedded world")
     p.add_argument("--corpus", default="", help="corpus JSONL for --data (or an index folder from search.py index)")
@@ -345,11 +368,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--temperature", type=Accepts(float, min=0), default=0.0,
                    help="0 = greedy (the reported eval); e.g. 1 with --max-turns 16: RL's own objective, sampled")
-    p.add_argument("--stop-value", action="store_true",
-                   help="at every round that searched: Q_stop (force the answer now) vs Q_go (search on), per K")
-    p.add_argument("--decisions", default="", metavar="RUN",
-                   help="RUN (e.g. the RL run of this SFT checkpoint) on this checkpoint's greedy episodes: does it "
-                        "fix their first errors, does it change their right choices (embedded world, word tokenizer)")
     p.add_argument("--show", type=Accepts(int, min=0), default=0, metavar="N",
                    help="print N held-out episodes (the first --objectives K) round by round instead of the table")
     p.add_argument("--viz", default="", metavar="FILE",
@@ -364,15 +382,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not os.path.isdir(run) and gguf_file(run) is None:
             p.error(f"checkpoint folder {run} does not exist")
     return args
-
-
-def held_out_episodes(model, tokenizer, agent: AgentConfig, n: int, seed: int, split: str,
-                      hops: tuple[int, int]):
-    """``k -> (trajectories, tasks)``: ``agent``'s episodes on ``n`` held-out K-objective questions."""
-    def episodes(k: int) -> tuple[list, list]:
-        tasks, tool = embedded_tasks(k, n, seed, split, hops)
-        return run_episodes(model, tokenizer, tasks, tool, agent), tasks
-    return episodes
 
 
 def compare_runs(args, hops: tuple[int, int], device) -> None:
@@ -394,8 +403,8 @@ def compare_runs(args, hops: tuple[int, int], device) -> None:
 
 
 def report_table(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> None:
-    """The default mode: the metrics table per K (or per ``--compose`` K of a ``--data`` file), the memory
-    diagnostics with ``--diagnostics``, then one JSON line."""
+    """The default mode: the metrics table per K (or per ``--compose`` K of a ``--data`` file), then one JSON
+    line."""
     if args.data:
         if not (args.corpus or args.search_url):
             raise SystemExit("--data needs --corpus or --search-url")
@@ -416,13 +425,6 @@ def report_table(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> 
     print_table(results, f"{args.checkpoint}  context={args.context}  max_turns={args.max_turns}")
     out = {"checkpoint": args.checkpoint, "context": args.context, "max_turns": args.max_turns,
            "results": {str(k): v for k, v in results.items()}, "search_failures": failures}
-    if args.diagnostics and not args.data:
-        mask_mode, threshold, think = run_reward_config(args.checkpoint)  # P_mem as the run's reward saw it
-        think = args.probe_think or think
-        out["diagnostics"] = {str(k): v for k, v in diagnose(model, tokenizer, args.objectives, args.tasks,
-                                                             args.split, args.max_turns, hops, prompt,
-                                                             mask_mode, threshold, think).items()}
-        out["diagnostics_mem_mask"] = mask_mode
     print(json.dumps(out))
 
 
@@ -440,16 +442,6 @@ def main(argv=None) -> None:
             prompt = f.read().strip()
     if args.show or args.viz or args.question:
         return show_episodes(model, tokenizer, prompt, args, hops)
-    if args.stop_value:             # diagnostics.py's reports, on this checkpoint's held-out episodes
-        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt, args.temperature)
-        episodes = held_out_episodes(model, tokenizer, agent, args.tasks, args.seed, args.split, hops)
-        return report_stop_value(model, tokenizer, episodes, args.objectives, args.temperature, args.max_turns,
-                                 args.max_new_tokens, args.seed, args.checkpoint)
-    if args.decisions:
-        other = load(args.decisions, device)[0]
-        agent = greedy_agent(args.context, args.max_turns, args.max_new_tokens, prompt)
-        episodes = held_out_episodes(model, tokenizer, agent, args.tasks, args.seed, args.split, hops)
-        return report_decisions(model, other, tokenizer, episodes, args.objectives, args.checkpoint, args.decisions)
     report_table(model, tokenizer, prompt, args, hops)
 
 

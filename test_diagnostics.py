@@ -1,5 +1,6 @@
 """Diagnostics (diagnostics.py), on expert trajectories replayed through the real tool: retention and
-faithfulness, the probes by found / kept / dropped, P by round, the stop value, first errors, decisions."""
+faithfulness, the probes by found / kept / dropped, P by round, the stop value, first errors, decisions; and
+the command line's three modes on a trained checkpoint."""
 import json
 
 import pytest
@@ -287,3 +288,21 @@ def test_decisions_pairs_the_two_models_on_the_same_ids():
     assert res["gains"] == [res["margin_gain"]]               # one scored error: its gain is the mean
     assert res["fixed"] == int(b[gold] > b[chosen])
     assert abs(res["p_right_median"] - a[gold].exp().item()) < 1e-6
+
+
+def test_each_mode_prints_its_report_then_one_json_line(sft_run, capsys):
+    import diagnostics
+    quick = ["--checkpoint", str(sft_run), "--objectives", "2", "--tasks", "2", "--max-turns", "6", "--device", "cpu"]
+    last = lambda: json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    diagnostics.main(quick + ["--memory"])
+    out = last()
+    assert out["mem_mask"] == "separate" and out["checkpoint"] == str(sft_run)
+    assert {"retention", "faithfulness", "first_update", "p_by_round", "probe"} <= set(out["diagnostics"]["2"])
+    diagnostics.main(quick + ["--stop-value", "--temperature", "1"])
+    assert {"n", "q_stop", "q_go", "by_round"} <= set(last()["stop_value"]["2"])
+    diagnostics.main(quick + ["--decisions", str(sft_run)])
+    res = last()["decisions"]["2"]
+    assert res["failed"] + res["right_episodes"] == 2 and abs(res.get("margin_gain", 0.0)) < 1e-6    # itself: no gain
+    with pytest.raises(SystemExit) as stop:             # one mode is required
+        diagnostics.main(quick)
+    assert stop.value.code == 2 and "--memory" in capsys.readouterr().err

@@ -2,8 +2,7 @@
 import json
 
 import data
-from diagnostics import memory_diagnostics
-from eval import mean_ci, summarize
+from eval import mean_ci, memory_retention, summarize
 from rollout import AgentConfig
 from search import SearchTool
 
@@ -30,7 +29,7 @@ def test_compare_two_variants_over_seeds_and_plots(sft_run, tmp_path):
     trajs = run_episodes(model, tok, tasks, tool, greedy_agent("snail", 6))
     assert f1 == summarize(trajs)["f1"]                   # the value, computed without compare()
     assert res["a"][2]["f1_runs"] == [f1, f1] and res["b"][2]["f1_runs"] == [f1]
-    ret = memory_diagnostics(trajs, tasks)["retention"]
+    ret = memory_retention(trajs, tasks)["retention"]
     got = res["a"][2]["retention"][0]
     assert got == ret or (ret != ret and got != got)      # nan (no entity was needed yet) on both sides
     assert res["a"][2]["f1"][0] == res["b"][2]["f1"][0]    # greedy eval is deterministic

@@ -14,6 +14,7 @@ import pytest
 import bench
 import checkpoint
 import data
+import diagnostics
 import eval as ev
 import flags
 import search
@@ -146,6 +147,7 @@ def flags_of(p: argparse.ArgumentParser) -> list[tuple[list[str], argparse.Actio
 
 SCRIPTS = {      # name: (main, the arguments it needs to reach its flag checks)
     "eval": (ev.parse_args, ["--checkpoint", "."]),
+    "diagnostics": (diagnostics.parse_args, ["--checkpoint", ".", "--memory"]),
     "bench": (bench.parse_args, []),
     "sft": (sft.main, ["--export", "NOWHERE"]),
     "search": (search.main, ["--index", "NOWHERE"]),
