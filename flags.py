@@ -86,7 +86,9 @@ class Accepts:
         return value
 
 
-def flag(default, help: str, **accepts):
+def flag(default, help: str, section: str = "", **accepts):
     """A Config field that is also a command-line flag: its default, its ``--help`` line and what it accepts
-    (``Accepts``: min, max, above, off, choices, int_range, unbounded), side by side."""
-    return field(default=default, metadata={"help": help, "accepts": Accepts(type(default), **accepts)})
+    (``Accepts``: min, max, above, off, choices, int_range, unbounded), side by side; ``section`` titles the
+    ``--help`` group that opens at this field."""
+    return field(default=default, metadata={"help": help, "accepts": Accepts(type(default), **accepts),
+                                            "section": section})

@@ -1,41 +1,20 @@
-"""MemPO training: SFT cold start on expert trajectories (sft.py), then RL (MemPO or plain GRPO).
+"""MemPO training: an SFT cold start on the scripted expert's trajectories (sft.py), then RL, MemPO or plain GRPO.
 
-    python train.py                        # embedded default: tiny world, tokenizer and model, CPU ok
-    python train.py --model PATH --data qa.jsonl --corpus wiki.jsonl   # a real run (GPU)
-    torchrun --standalone --nproc_per_node 8 train.py --run-dir runs/x ...  # one node, 8 GPUs (dist.py)
+    python train.py                                     # the embedded world: tiny tokenizer and model, CPU ok
+    python train.py --model PATH --data qa.jsonl --corpus wiki.jsonl    # a real run (GPU)
+    torchrun --standalone --nproc_per_node 8 train.py --run-dir runs/x ...    # one node, 8 GPUs (dist.py)
 
-One RL step:
+One RL step (``rl_step``): B questions x G rollouts with the search tool (rollout.py); each trajectory's outcome
+score and, for MemPO, each round's memory reward from one no-grad pass in micro-batches over the 2N (context,
+answer) pairs (reward.py); A_T grouped per question, A_M pooled per question over trajectories and rounds and
+written on each round's <mem> span (grpo.py); a clipped PPO update on every round as a row ``context + forced
+prefix + output`` (loss mask 1 on the output), the whole batch's token count as denominator (``ppo_update``).
+Each choice of this project sits with its reason at the field or function it sets (measured: results/STUDIES.md).
 
-    rollout    B questions x G rollouts, multi-turn, search tool          (rollout.py)
-    reward     outcome score per trajectory; MemPO: mem_reward per round   (reward.py)
-               from ONE batched no-grad forward over the 2N (context, answer) pairs
-    advantage  A_T grouped per question; A_M pooled per question over      (grpo.py)
-               trajectories and rounds, written on each round's <mem> span
-    update     clipped PPO loss, micro-batches sorted by length, gradient accumulation with
-               the WHOLE batch's token count as denominator (each mini-batch's with --ppo-minibatches),
-               AdamW, grad-norm clipping
-
-Every round is a training sample ``context + forced prefix + output`` (loss mask 1 on output).
-Choices of this project (measured: results/STUDIES.md):
-1. ``--train-context snail`` although the original trains with ``full`` context: the SFT data and every
-   evaluation use snail-shell context, and training on another one is a train/eval drift.
-2. The memory reward is the paper's own (``--mem-mask separate --mem-adv-norm std``, weight 1, no gate):
-   once both probes are in distribution (reward.py, choice 1) it is the best of
-   the variants measured on the validation worlds.
-3. One optimizer step per rollout batch (``--ppo-epochs 1 --ppo-minibatches 1``): ``old_logp`` is the detached
-   ``logp`` of the same forward (ratio 1, exactly on-policy: REINFORCE with the group baseline, the clip never
-   acts), so no extra forward is spent. More epochs or mini-batches (verl's) take ``old_logp`` from a no-grad
-   forward first, and the clip acts from the second optimizer step on.
-4. A step whose advantages are all zero, or whose loss or gradient is not finite, is skipped with the
-   reason in the metrics; the weights are untouched.
-5. fp32 weights, bf16 autocast on CUDA (``--precision``): AdamW stepping bf16 weights directly rounds an
-   lr-1e-6 update away for most weights.
-6. ``--agg seq-mean-token-mean`` averages per trajectory (the paper's Eq. 10) although every round is a row:
-   a row's loss is divided by its trajectory's policy-token count (grpo.policy_loss, ``seq_tokens``).
-Checkpoints, ``--resume``, the KL reference, LoRA's run folder and ``--report-to``: checkpoint.py (LoRA itself:
-models.py). torchrun: dist.py. What each flag accepts: flags.py. The SFT cold start and its probe rows: sft.py.
-The system prompt: the embedded world's, ``rollout.PROTOCOL_PROMPT`` for a model from elsewhere, a checkpoint's
-``system_prompt.txt`` or ``--system-prompt FILE``. Other recipes: recipes/.
+Elsewhere: the KL reference, checkpoints, ``--resume`` and ``--report-to`` (checkpoint.py), LoRA (models.py),
+torchrun (dist.py), what each flag accepts (flags.py), the SFT rows (sft.py), the other recipes (recipes/). The
+system prompt: the embedded world's, ``rollout.PROTOCOL_PROMPT`` for a model from elsewhere, a checkpoint's
+``system_prompt.txt`` or ``--system-prompt FILE``.
 """
 from __future__ import annotations
 
@@ -68,7 +47,7 @@ from sft import cold_start, held_out_f1
 @dataclass
 class Config:
     """MemPO training: SFT cold start on expert trajectories, then RL (MemPO or plain GRPO)."""
-    run: str = flag("runs/default", "output folder (metrics.jsonl, checkpoints, final/)")
+    run: str = flag("runs/default", "output folder (metrics.jsonl, checkpoints, final/)", section="run, model and data")
     seed: int = flag(0, "seed of data order and sampling", unbounded=True)
     device: str = flag("auto", "auto | cpu | cuda")
     model: str = flag("", "HF model folder or name, a .gguf file, or smollm2 (SmolLM2-135M-Instruct from the "
@@ -81,23 +60,117 @@ class Config:
     compose: int = flag(0, "MEM1-style multi-objective questions: join K questions of --data into one (0 = off)", min=0)
     system_prompt: str = flag("", "text file with the system prompt (default: the checkpoint's system_prompt.txt, "
                                   "else the protocol prompt for a real model, or the embedded world's compact one)")
-    tokenizer: str = flag("word", "embedded world tokenizer: word | bpe (byte-level BPE, tags and names several "
-                                  "tokens)", choices=("word", "bpe"))
+    # fp32 weights, bf16 autocast on CUDA: AdamW stepping bf16 weights directly rounds an lr-1e-6 update away for
+    # most weights
     precision: str = flag("auto", "auto | fp32 | bf16: bf16 autocast forward over fp32 master weights (auto = bf16 "
                                   "on CUDA)", choices=("auto", "fp32", "bf16"))
-    sft_data: str = flag("", "JSONL of chat-format trajectories (messages): SFT stage of --model before RL")
     stage: str = flag("auto", "auto | sft | rl: sft runs the embedded-world SFT on --model too (e.g. after MemTrain,"
                               " or to adapt a checkpoint to --system-prompt); rl skips SFT; auto = sft unless "
                               "--model without --sft-data", choices=("auto", "sft", "rl"))
-    hidden: int = flag(128, "hidden size of the tiny embedded model", min=1)
-    # 3 thin layers, not 2 wide ones: see README (copying names from memory)
-    layers: int = flag(3, "layers of the tiny embedded model", min=1)
-    heads: int = flag(8, "attention heads of the tiny embedded model", min=1)
-    ffn: int = flag(256, "MLP width of the tiny embedded model", min=1)
-    # SFT cold start (embedded default)
-    sft_steps: int = flag(2900, "SFT cold-start steps (embedded default only; 0 skips)", min=0)
+    sft_data: str = flag("", "JSONL of chat-format trajectories (messages): SFT stage of --model before RL")
+    resume: bool = flag(False, "continue from RUN/ckpt")
+
+    algo: str = flag("mempo", "mempo (outcome + memory advantage) | grpo (outcome only)", choices=("mempo", "grpo"),
+                     section="RL: the algorithm, its questions and rollouts")
+    rl_steps: int = flag(120, "RL steps (0 skips RL)", min=0)
+    # 16, not 8: half the gradient's sampling noise keeps RL's fixes of greedy errors and cuts what it breaks
+    # (results/STUDIES.md)
+    questions: int = flag(16, "questions per RL step", min=1)
+    group: int = flag(8, "rollouts per question (G)", min=1)
+    # the expert's K and the two past it: a K RL never samples is where its updates break a memory write unseen;
+    # every hop count (RL on 1-2 hops taught 3-hop questions to answer after 2 hops)
+    rl_objectives: str = flag("1-4", "objective counts K of RL questions", int_range=True)
+    rl_hops: str = flag("1-3", "hops per objective in RL", int_range=True)
+    # share: a K = 4 group rarely ties, so GRPO has a gradient almost everywhere; all leaves the memory
+    # advantage alone on the groups that all fail or all succeed
+    outcome: str = flag("share", "outcome score the advantage ranks: share (objectives answered right / K) | all "
+                                 "(1 only when all K are right)", choices=("share", "all"))
+    # a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std (none: no
+    # better, results/STUDIES.md)
+    outcome_norm: str = flag("std", "outcome advantage: std ((score - group mean) / group std, GRPO's) | none "
+                                    "(score - group mean, Dr.GRPO's)", choices=("std", "none"))
+    # snail although the original trains with full context: the SFT data and every evaluation use the snail-shell
+    # context, and training in another one is a train/eval drift
+    train_context: str = flag("snail", "snail | full: the context RL rollouts see", choices=("snail", "full"))
+    max_turns: int = flag(16, "max rounds per training rollout", min=1)
+    max_new_tokens: int = flag(96, "max tokens per round", min=1)
+    temperature: float = flag(0.7, "sampling temperature of training rollouts (also divides logits in the loss)",
+                              above=0)
+    prefix_cache: bool = flag(True, "prefill each question's system prompt + question once per step and reuse its KV"
+                                    " cache in every round and rollout (--no-prefix-cache: every round prefills its "
+                                    "whole prompt)")
+
+    # 1e-4 lowered its SFT start; 3e-5 learns past the expert's K in 120 steps (results/STUDIES.md)
+    lr: float = flag(3e-5, "RL learning rate", above=0, section="the update: clipped PPO")
+    clip_low: float = flag(0.2, "PPO clip below 1", min=0, max=1)
+    clip_high: float = flag(0.2, "PPO clip above 1", min=0)
+    dual_clip: float = flag(0.0, "dual clip c for A<0 (0 = off)", above=1, off=0)
+    kl_coef: float = flag(0.0, "k3 KL to the initial policy in the loss (0 = none)", min=0)
+    # seq-mean-token-mean averages per trajectory (the paper's Eq. 10) although every round is a row: a row's loss
+    # is divided by its trajectory's policy-token count (grpo.policy_loss, seq_tokens)
+    agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum",
+                    choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
+    # one optimizer step per rollout batch: old_logp is the detached logp of the same forward (ratio 1, exactly
+    # on-policy: REINFORCE with the group baseline, the clip never acts), so no extra forward is spent; more epochs
+    # or mini-batches (verl's) take old_logp from a no-grad forward first, and the clip acts from the second step on
+    ppo_epochs: int = flag(1, "update passes per batch", min=1)
+    ppo_minibatches: int = flag(1, "optimizer steps per pass: the batch cut into N mini-batches of whole trajectories "
+                                   "(> 1: the PPO clip acts from the second step on)", min=1)
+    # padded tokens per micro-batch; on CPU 2048 beats 4096 (less padding; results/STUDIES.md)
+    micro_tokens: int = flag(2048, "token budget of one update micro-batch", min=1)
+    grad_clip: float = flag(1.0, "max grad norm", above=0)
+
+    # the paper's own reward (separate masks, the std pool, weight 1): once both probes are in distribution
+    # (reward.py, choice 1) it is the best of the variants measured on the validation worlds
+    threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)", min=0, max=1,
+                            section="the memory reward (MemPO)")
+    mem_mask: str = flag(MEM_MASK, "separate (the paper's: each P over its own confident tokens) | full (both "
+                                   "over P_full's)", choices=("separate", "full"))
+    mem_adv_norm: str = flag("std", "memory-pool normalisation: std (the paper's) | none | round | nonzero (zero "
+                                    "rewards left out)", choices=("std", "none", "round", "nonzero"))
+    mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens", min=0)
+    mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
+                                     "whose rewards differ by a hair gets unit-variance advantages)", min=0)
+    mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
+    probe_think: str = flag("auto", "think word of the memory reward's answer template: auto = the probe marker "
+                                    "where SFT probe rows teach it (this run's SFT, the embedded model), else the one "
+                                    "the checkpoint learnt (its probe_think.txt), else 'answer' (no marker)")
+
+    # the base frozen and held once (the KL reference is it, adapters off); RUN/final is merged
+    lora_rank: int = flag(0, "RL trains LoRA adapters of this rank over the policy it starts from (0 = off: every "
+                             "weight trains; the SFT stage always trains every weight)", min=0, section="LoRA (peft)")
+    lora_alpha: int = flag(32, "LoRA alpha: the adapters' update is scaled by alpha / rank", min=1)
+    lora_targets: str = flag(LORA_TARGETS, "comma-separated module names that get adapters (default: every attention"
+                                           " and MLP projection of Llama / Qwen2 / Qwen3)")
+
+    save_every: int = flag(20, "checkpoint every N RL steps", min=1, section="logging and checkpoints")
+    keep_checkpoints: bool = flag(False, "also keep each RL checkpoint's model as RUN/step_NNNN (a learning curve "
+                                         "with eval.py, or the best step)")
+    eval_every: int = flag(20, "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", min=0)
+    eval_tasks: int = flag(32, "tasks per K in the periodic eval", min=1)
+    viz_every: int = flag(0, "write RUN/viz/step_NNNN.html (viz.py: rollouts, probes, per-token advantages) "
+                               "every N RL steps; 0 = off", min=0)
+    # off by default: the reference is a second copy of the model in memory, for a number the run does not need
+    log_kl: bool = flag(False, "log the k3 KL to the policy RL started from every step, whatever --kl-coef "
+                               "(loads the reference model; without it a run at --kl-coef 0 holds one model)")
+    report_to: str = flag("none", "none | tensorboard | wandb, comma-separated for several: each metrics row's "
+                                  "numbers also as scalars (RUN/tb; wandb offline unless WANDB_MODE is set)")
+
+    fsdp: bool = flag(False, "torchrun only: shard the model with FSDP2 (each decoder layer, then the root) instead "
+                             "of DDP", section="torchrun (dist.py)")
+    dist_timeout: int = flag(1800, "torchrun only: seconds a collective waits for the other ranks before the run "
+                                   "fails", min=1)
+
+    sft_steps: int = flag(2900, "SFT cold-start steps (embedded default only; 0 skips)", min=0,
+                          section="SFT cold start (sft.py)")
     sft_batch: int = flag(64, "rounds per SFT step", min=1)
     sft_lr: float = flag(1e-3, "SFT learning rate", above=0)
+    sft_save_every: int = flag(500, "checkpoint every N SFT steps", min=1)
+    # without probe rows the small policy cannot answer right after a context (P_full ~0)
+    sft_probe: float = flag(0.3, "probability per expert round >= 2 of two extra SFT rows, round context -> answer "
+                                 "known so far and prompt + <mem> -> answer held in memory, after a '<think> probe "
+                                 "</think> <answer>' marker that carries no loss: both memory-reward probes in "
+                                 "distribution (0 = none)", min=0, max=1)
     # warm-up steps on a pure copy task (the 3-layer model learns to copy at ~650-850)
     sft_copy_steps: int = flag(800, "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model "
                                     "to copy names)", min=0)
@@ -115,90 +188,15 @@ class Config:
     forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw", min=0, max=1)
     sft_objectives: str = flag("1-2", "objective counts K of SFT questions, e.g. 1-10", int_range=True)
     hops: str = flag("1-3", "hops per objective, e.g. 1-3", int_range=True)
-    # RL
-    algo: str = flag("mempo", "mempo (outcome + memory advantage) | grpo (outcome only)", choices=("mempo", "grpo"))
-    rl_steps: int = flag(120, "RL steps (0 skips RL)", min=0)
-    # 16, not 8: half the gradient's sampling noise keeps RL's fixes of greedy errors and cuts what it breaks
-    # (results/STUDIES.md)
-    questions: int = flag(16, "questions per RL step", min=1)
-    group: int = flag(8, "rollouts per question (G)", min=1)
-    # the expert's K and the two past it: a K RL never samples is where its updates break a memory write unseen;
-    # every hop count (RL on 1-2 hops taught 3-hop questions to answer after 2 hops)
-    rl_objectives: str = flag("1-4", "objective counts K of RL questions", int_range=True)
-    rl_hops: str = flag("1-3", "hops per objective in RL", int_range=True)
-    # 1e-4 lowered its SFT start; 3e-5 learns past the expert's K in 120 steps (results/STUDIES.md)
-    lr: float = flag(3e-5, "RL learning rate", above=0)
-    train_context: str = flag("snail", "snail | full: the context RL rollouts see", choices=("snail", "full"))
-    max_turns: int = flag(16, "max rounds per training rollout", min=1)
-    max_new_tokens: int = flag(96, "max tokens per round", min=1)
-    temperature: float = flag(0.7, "sampling temperature of training rollouts (also divides logits in the loss)",
-                              above=0)
-    prefix_cache: bool = flag(True, "prefill each question's system prompt + question once per step and reuse its KV"
-                                    " cache in every round and rollout (--no-prefix-cache: every round prefills its "
-                                    "whole prompt)")
-    clip_low: float = flag(0.2, "PPO clip below 1", min=0, max=1)
-    clip_high: float = flag(0.2, "PPO clip above 1", min=0)
-    dual_clip: float = flag(0.0, "dual clip c for A<0 (0 = off)", above=1, off=0)
-    kl_coef: float = flag(0.0, "k3 KL to the initial policy in the loss (0 = none)", min=0)
-    # off by default: the reference is a second copy of the model in memory, for a number the run does not need
-    log_kl: bool = flag(False, "log the k3 KL to the policy RL started from every step, whatever --kl-coef "
-                               "(loads the reference model; without it a run at --kl-coef 0 holds one model)")
-    agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum",
-                    choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
-    ppo_epochs: int = flag(1, "update passes per batch", min=1)
-    ppo_minibatches: int = flag(1, "optimizer steps per pass: the batch cut into N mini-batches of whole trajectories "
-                                   "(> 1: the PPO clip acts from the second step on)", min=1)
-    # padded tokens per micro-batch; on CPU 2048 beats 4096 (less padding; results/STUDIES.md)
-    micro_tokens: int = flag(2048, "token budget of one update micro-batch", min=1)
-    grad_clip: float = flag(1.0, "max grad norm", above=0)
-    # LoRA (peft): the base frozen and held once (the KL reference is it, adapters off); RUN/final is merged
-    lora_rank: int = flag(0, "RL trains LoRA adapters of this rank over the policy it starts from (0 = off: every "
-                             "weight trains; the SFT stage always trains every weight)", min=0)
-    lora_alpha: int = flag(32, "LoRA alpha: the adapters' update is scaled by alpha / rank", min=1)
-    lora_targets: str = flag(LORA_TARGETS, "comma-separated module names that get adapters (default: every attention"
-                                           " and MLP projection of Llama / Qwen2 / Qwen3)")
-    threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)", min=0, max=1)
-    mem_mask: str = flag(MEM_MASK, "separate (the paper's: each P over its own confident tokens) | full (both "
-                                   "over P_full's)", choices=("separate", "full"))
-    # a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std (none: no
-    # better, results/STUDIES.md)
-    # share: a K = 4 group rarely ties, so GRPO has a gradient almost everywhere; all leaves the memory
-    # advantage alone on the groups that all fail or all succeed
-    outcome: str = flag("share", "outcome score the advantage ranks: share (objectives answered right / K) | all "
-                                 "(1 only when all K are right)", choices=("share", "all"))
-    outcome_norm: str = flag("std", "outcome advantage: std ((score - group mean) / group std, GRPO's) | none "
-                                    "(score - group mean, Dr.GRPO's)", choices=("std", "none"))
-    mem_adv_norm: str = flag("std", "memory-pool normalisation: std (the paper's) | none | round | nonzero (zero "
-                                    "rewards left out)", choices=("std", "none", "round", "nonzero"))
-    mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens", min=0)
-    mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
-                                     "whose rewards differ by a hair gets unit-variance advantages)", min=0)
-    mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
-    # without probe rows the small policy cannot answer right after a context (P_full ~0)
-    sft_probe: float = flag(0.3, "probability per expert round >= 2 of two extra SFT rows, round context -> answer "
-                                 "known so far and prompt + <mem> -> answer held in memory, after a '<think> probe "
-                                 "</think> <answer>' marker that carries no loss: both memory-reward probes in "
-                                 "distribution (0 = none)", min=0, max=1)
-    probe_think: str = flag("auto", "think word of the memory reward's answer template: auto = the probe marker "
-                                    "where SFT probe rows teach it (this run's SFT, the embedded model), else the one "
-                                    "the checkpoint learnt (its probe_think.txt), else 'answer' (no marker)")
-    # bookkeeping
-    save_every: int = flag(20, "checkpoint every N RL steps", min=1)
-    keep_checkpoints: bool = flag(False, "also keep each RL checkpoint's model as RUN/step_NNNN (a learning curve "
-                                         "with eval.py, or the best step)")
-    sft_save_every: int = flag(500, "checkpoint every N SFT steps", min=1)
-    viz_every: int = flag(0, "write RUN/viz/step_NNNN.html (viz.py: rollouts, probes, per-token advantages) "
-                               "every N RL steps; 0 = off", min=0)
-    eval_every: int = flag(20, "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", min=0)
-    eval_tasks: int = flag(32, "tasks per K in the periodic eval", min=1)
-    resume: bool = flag(False, "continue from RUN/ckpt")
-    report_to: str = flag("none", "none | tensorboard | wandb, comma-separated for several: each metrics row's "
-                                  "numbers also as scalars (RUN/tb; wandb offline unless WANDB_MODE is set)")
-    # torchrun (dist.py)
-    fsdp: bool = flag(False, "torchrun only: shard the model with FSDP2 (each decoder layer, then the root) instead "
-                             "of DDP")
-    dist_timeout: int = flag(1800, "torchrun only: seconds a collective waits for the other ranks before the run "
-                                   "fails", min=1)
+
+    tokenizer: str = flag("word", "embedded world tokenizer: word | bpe (byte-level BPE, tags and names several "
+                                  "tokens)", choices=("word", "bpe"),
+                          section="the embedded world's tokenizer and tiny model")
+    hidden: int = flag(128, "hidden size of the tiny embedded model", min=1)
+    # 3 thin layers, not 2 wide ones: see README (copying names from memory)
+    layers: int = flag(3, "layers of the tiny embedded model", min=1)
+    heads: int = flag(8, "attention heads of the tiny embedded model", min=1)
+    ffn: int = flag(256, "MLP width of the tiny embedded model", min=1)
 
     def conflicts(self) -> tuple[list[str], list[str]]:
         """(errors, warnings): flags each accepted alone that together leave nothing to learn (an error), or a
@@ -234,19 +232,24 @@ MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_fl
 
 def parse_args(argv=None, config=Config):
     """Command line -> ``config`` (train.Config, or a recipe's subclass of it): one ``--flag`` per field, its
-    help and what it accepts from the field; a bool gets ``--flag / --no-flag`` whatever its default, so a command
-    naming either form runs as written. A value a flag does not accept, or flags that together leave nothing to
+    help, what it accepts and its ``--help`` group from the field; a bool gets ``--flag / --no-flag`` whatever its
+    default, so a command naming either form runs as written. A value a flag does not accept, or flags that together leave nothing to
     learn (``conflicts``), stop here with one line and exit status 2; a flag set for nothing gets one warning line."""
     p = FlagParser(description=(config.__doc__ or __doc__).split("\n")[0])
+    base, group = {f.name: f for f in fields(Config)}, None
     for f in fields(config):
+        # --help's groups are Config's sections; a recipe's own fields follow in a group of their own
+        title = base[f.name].metadata["section"] if f.name in base else config.__doc__.split("\n")[0].rstrip(".")
+        if title and (group is None or title != group.title):
+            group = p.add_argument_group(title)
         default = f.default if f.default is not MISSING else f.default_factory()
         flag_name, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.name == "run":      # torchrun reads any "--run..." as its own --run-path: --run-dir gets through
-            p.add_argument("--run-dir", "--run", dest="run", default=default, help=help + " (alias --run)")
+            group.add_argument("--run-dir", "--run", dest="run", default=default, help=help + " (alias --run)")
         elif isinstance(default, bool):
-            p.add_argument(flag_name, action=argparse.BooleanOptionalAction, default=default, help=help)
+            group.add_argument(flag_name, action=argparse.BooleanOptionalAction, default=default, help=help)
         else:
-            p.add_argument(flag_name, type=f.metadata["accepts"], default=default, help=help)
+            group.add_argument(flag_name, type=f.metadata["accepts"], default=default, help=help)
     cfg = config(**vars(p.parse_args(argv)))
     errors, warnings = cfg.conflicts()
     if errors:
@@ -299,80 +302,6 @@ def build_samples(trajs, adv_t: torch.Tensor, mem: dict | None, mem_adv: list[li
             samples.append(Sample(r.context_ids + r.round_ids, len(r.context_ids) + len(r.prefix_ids),
                                   r.mem_end, len(r.prefix_ids), float(adv_t[i]), round_adv.get(r_idx, 0.0), i))
     return samples
-
-
-def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config,
-                  mem_adv: list[list[float]] | None) -> dict[str, list]:
-    """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
-    v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
-         "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
-         "early": [e for e in (early_answer(t) for t in trajs) if e is not None],
-         "k": [len(t.golds) for t in trajs],
-         "groups": group_stats(outs, mem, group_ids, [len(t.golds) for t in trajs])}
-    if mem is not None:
-        # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
-        v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
-              "mask_mem": mem["mask_mem"], "mask_full": mem["mask_full"], "empty": [mem["empty_frac"] * mem["n"]],
-              "no_signal": [mem["no_signal_frac"] * mem["n"]], "ungrounded": [mem["ungrounded"]]}
-        # each pool's (std, sum |A_M|): the stds the advantages are divided by, and where their magnitude goes
-        pool_w = memory_pool_weights(mem["rewards"], mem_adv, group_ids, mem["rounds"], cfg.mem_adv_norm)
-        no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
-        v |= {"pool_std": [s for s, _ in pool_w], "pool_w": pool_w,
-              "adv_ns": list(zip(no_signal, [a for r in mem_adv for a in r]))}
-    return v
-
-
-def group_stats(outs: list[dict], mem: dict | None, group_ids: list[int],
-                ks: list[int]) -> list[tuple[bool, bool, int]]:
-    """Per group: (every rollout scored the same, its memory rewards still differ, its objective count K).
-
-    A group of equal scores gets outcome advantage 0 on every token (GRPO learns nothing from it); its
-    memory rewards, where they differ, are the only signal MemPO has there."""
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        members.setdefault(g, []).append(i)
-    stats = []
-    for idx in members.values():
-        flat = {outs[i]["score"] for i in idx}
-        rewards = {x for i in idx for x in mem["rewards"][i]} if mem is not None else set()
-        stats.append((len(flat) == 1, len(rewards) > 1, ks[idx[0]]))
-    return stats
-
-
-def step_metrics(v: dict[str, list]) -> dict:
-    """The step's metrics from ``metric_values`` (every rank's, concatenated): outcome, format, length, memory."""
-    outs, mean = v["outs"], lambda xs: sum(xs) / len(xs) if xs else 0.0
-    scores = torch.tensor([o["score"] for o in outs])
-    m = dict(score=scores.mean().item(), score_std=scores.std().item() if len(scores) > 1 else 0.0,
-             em=sum(o["em"] for o in outs) / len(outs), f1=sum(o["f1"] for o in outs) / len(outs),
-             valid=sum(o["valid"] for o in outs) / len(outs), turns=sum(v["turns"]) / len(v["turns"]),
-             tokens=sum(v["tokens"]), search_failures=sum(v["search_failures"]))
-    groups = v["groups"]
-    m["zero_var_frac"] = sum(z for z, _, _ in groups) / len(groups)
-    m["zero_var_mem_frac"] = sum(z and d for z, d, _ in groups) / len(groups)   # where only the memory reward ranks
-    for k in sorted(set(v["k"])):                                              # score per objective count K
-        m[f"score_k{k}"] = mean([o["score"] for o, kk in zip(outs, v["k"]) if kk == k])
-        m[f"zero_var_k{k}"] = mean([z for z, _, kk in groups if kk == k])
-        m[f"zero_var_mem_k{k}"] = mean([z and d for z, d, kk in groups if kk == k])
-    if v["early"]:                      # embedded world: answered after fewer searches than the question's hops
-        m["early_frac"] = sum(v["early"]) / len(v["early"])
-    if "mem" in v:
-        flat, n_empty, n_none = v["mem"], sum(v["empty"]), sum(v["no_signal"])
-        # pool_std: the mean over the advantage's pools (per question; per round / nonzero as --mem-adv-norm)
-        m.update(mem_reward=mean(flat), p_mem=mean(v["p_mem"]), p_full=mean(v["p_full"]),
-                 mask_mem=mean(v["mask_mem"]), mask_full=mean(v["mask_full"]),
-                 empty_frac=n_empty / len(flat) if flat else 0.0, no_signal_frac=n_none / len(flat) if flat else 0.0,
-                 mem_rounds=len(flat), ungrounded=sum(v["ungrounded"]), pool_std=mean(v["pool_std"]))
-    if "pool_w" in v:                   # where the memory advantage's magnitude goes
-        stds, total = sorted(s for s, _ in v["pool_w"]) or [0.0], sum(w for _, w in v["pool_w"]) or 1.0
-        m["pool_std_p10"], m["pool_std_p50"] = stds[len(stds) // 10], stds[len(stds) // 2]
-        for thr, name in ((0.01, "01"), (0.05, "05")):      # share of sum |A_M| from pools of spread below thr
-            m[f"mem_adv_share_std{name}"] = sum(w for s, w in v["pool_w"] if s < thr) / total
-        ns, every = [a for none, a in v["adv_ns"] if none], [abs(a) for _, a in v["adv_ns"]]
-        m["mem_adv_abs"] = mean(every)
-        m["mem_adv_no_signal"] = mean(ns)                   # > 0: rounds with nothing to keep are pushed up
-        m["mem_adv_no_signal_share"] = sum(abs(a) for a in ns) / (sum(every) or 1.0)
-    return m
 
 
 def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agent: AgentConfig,
@@ -518,6 +447,82 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
         if losses:      # the last pass's mean over its optimizer steps
             m.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms))
     return m | dict(zip(stats, dist.all_sum(list(stats.values()))))
+
+
+# --------------------------------------------------------------------------- the step's metrics
+
+def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config,
+                  mem_adv: list[list[float]] | None) -> dict[str, list]:
+    """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
+    v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
+         "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
+         "early": [e for e in (early_answer(t) for t in trajs) if e is not None],
+         "k": [len(t.golds) for t in trajs],
+         "groups": group_stats(outs, mem, group_ids, [len(t.golds) for t in trajs])}
+    if mem is not None:
+        # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
+        v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
+              "mask_mem": mem["mask_mem"], "mask_full": mem["mask_full"], "empty": [mem["empty_frac"] * mem["n"]],
+              "no_signal": [mem["no_signal_frac"] * mem["n"]], "ungrounded": [mem["ungrounded"]]}
+        # each pool's (std, sum |A_M|): the stds the advantages are divided by, and where their magnitude goes
+        pool_w = memory_pool_weights(mem["rewards"], mem_adv, group_ids, mem["rounds"], cfg.mem_adv_norm)
+        no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
+        v |= {"pool_std": [s for s, _ in pool_w], "pool_w": pool_w,
+              "adv_ns": list(zip(no_signal, [a for r in mem_adv for a in r]))}
+    return v
+
+
+def group_stats(outs: list[dict], mem: dict | None, group_ids: list[int],
+                ks: list[int]) -> list[tuple[bool, bool, int]]:
+    """Per group: (every rollout scored the same, its memory rewards still differ, its objective count K).
+
+    A group of equal scores gets outcome advantage 0 on every token (GRPO learns nothing from it); its
+    memory rewards, where they differ, are the only signal MemPO has there."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(g, []).append(i)
+    stats = []
+    for idx in members.values():
+        flat = {outs[i]["score"] for i in idx}
+        rewards = {x for i in idx for x in mem["rewards"][i]} if mem is not None else set()
+        stats.append((len(flat) == 1, len(rewards) > 1, ks[idx[0]]))
+    return stats
+
+
+def step_metrics(v: dict[str, list]) -> dict:
+    """The step's metrics from ``metric_values`` (every rank's, concatenated): outcome, format, length, memory."""
+    outs, mean = v["outs"], lambda xs: sum(xs) / len(xs) if xs else 0.0
+    scores = torch.tensor([o["score"] for o in outs])
+    m = dict(score=scores.mean().item(), score_std=scores.std().item() if len(scores) > 1 else 0.0,
+             em=sum(o["em"] for o in outs) / len(outs), f1=sum(o["f1"] for o in outs) / len(outs),
+             valid=sum(o["valid"] for o in outs) / len(outs), turns=sum(v["turns"]) / len(v["turns"]),
+             tokens=sum(v["tokens"]), search_failures=sum(v["search_failures"]))
+    groups = v["groups"]
+    m["zero_var_frac"] = sum(z for z, _, _ in groups) / len(groups)
+    m["zero_var_mem_frac"] = sum(z and d for z, d, _ in groups) / len(groups)   # where only the memory reward ranks
+    for k in sorted(set(v["k"])):                                              # score per objective count K
+        m[f"score_k{k}"] = mean([o["score"] for o, kk in zip(outs, v["k"]) if kk == k])
+        m[f"zero_var_k{k}"] = mean([z for z, _, kk in groups if kk == k])
+        m[f"zero_var_mem_k{k}"] = mean([z and d for z, d, kk in groups if kk == k])
+    if v["early"]:                      # embedded world: answered after fewer searches than the question's hops
+        m["early_frac"] = sum(v["early"]) / len(v["early"])
+    if "mem" in v:
+        flat, n_empty, n_none = v["mem"], sum(v["empty"]), sum(v["no_signal"])
+        # pool_std: the mean over the advantage's pools (per question; per round / nonzero as --mem-adv-norm)
+        m.update(mem_reward=mean(flat), p_mem=mean(v["p_mem"]), p_full=mean(v["p_full"]),
+                 mask_mem=mean(v["mask_mem"]), mask_full=mean(v["mask_full"]),
+                 empty_frac=n_empty / len(flat) if flat else 0.0, no_signal_frac=n_none / len(flat) if flat else 0.0,
+                 mem_rounds=len(flat), ungrounded=sum(v["ungrounded"]), pool_std=mean(v["pool_std"]))
+    if "pool_w" in v:                   # where the memory advantage's magnitude goes
+        stds, total = sorted(s for s, _ in v["pool_w"]) or [0.0], sum(w for _, w in v["pool_w"]) or 1.0
+        m["pool_std_p10"], m["pool_std_p50"] = stds[len(stds) // 10], stds[len(stds) // 2]
+        for thr, name in ((0.01, "01"), (0.05, "05")):      # share of sum |A_M| from pools of spread below thr
+            m[f"mem_adv_share_std{name}"] = sum(w for s, w in v["pool_w"] if s < thr) / total
+        ns, every = [a for none, a in v["adv_ns"] if none], [abs(a) for _, a in v["adv_ns"]]
+        m["mem_adv_abs"] = mean(every)
+        m["mem_adv_no_signal"] = mean(ns)                   # > 0: rounds with nothing to keep are pushed up
+        m["mem_adv_no_signal_share"] = sum(abs(a) for a in ns) / (sum(every) or 1.0)
+    return m
 
 
 # --------------------------------------------------------------------------- the RL loop
