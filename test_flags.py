@@ -108,14 +108,17 @@ def test_memtrain_group_of_one_stops_and_a_memory_only_or_unused_flag_warns(caps
 def test_help_groups_the_flags_by_config_section_and_a_recipe_s_own_last(capsys):
     titles = [f.metadata["section"] for f in fields(train.Config) if f.metadata["section"]]
     assert titles[:2] == ["run, model and data", "RL: the algorithm, its questions and rollouts"]
-    for config, last in ((train.Config, "--tokenizer"), (memalpha.MemAlphaConfig, "--chunks")):
+    for config in CONFIGS:
         with pytest.raises(SystemExit):
             train.parse_args(["--help"], config)
         out = capsys.readouterr().out
         at = [out.index(f"\n{t}:\n") for t in titles]
         assert at == sorted(at) and out.index("\n  --lr ") > out.index("\nthe update: clipped PPO:\n")
-        assert out.index(f"\n  {last} ") > at[-1]
-    assert out.index("\n  --chunks ") > out.index("\nMem-alpha: SFT cold start + GRPO over chunk steps:\n") > at[-1]
+        own = [f.name for f in fields(config) if f.name not in train.Config.__dataclass_fields__]
+        if own:          # a recipe's own flags: a group of their own, after Config's
+            group = out.index("\n" + config.__doc__.split("\n")[0].rstrip(".") + ":\n")
+            assert group > at[-1] and all(out.index("\n  --" + n.replace("_", "-") + " ") > group for n in own)
+    assert config is not train.Config and own
 
 
 def test_resume_without_a_checkpoint_stops_before_the_folder_is_made(tmp_path, capsys):
