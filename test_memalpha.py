@@ -249,6 +249,10 @@ def test_evaluate_memalpha_runs_all_three_methods():
     count = lambda s: len(tok.encode(s))
     assert res["rag_top2"]["memory_tokens"] == sum(count(c.text) for i in insts for c in i.chunks) / 2
     assert res["memalpha"]["memory_tokens"] == 0 and res["memalpha"]["tool_success"] == 0.0   # never calls
+    mem = res["memalpha"]                               # so no call succeeds nor is judged, and nothing is kept
+    assert (mem["r2"], mem["r3"], mem["r4"], mem["over_budget"]) == (0.0, 1.0, 0.0, 0.0)
+    assert mem["r1"] == pytest.approx(sum(r1_accuracy(model, tok, [StructuredMemory() for _ in insts],
+                                                      [i.questions for i in insts])) / 2)   # training's r1
     with_ceiling = memalpha_eval.evaluate_memalpha(model, model, tok, insts, max_new_tokens=8, scripted=True)
     assert {m: r["accuracy"] for m, r in with_ceiling.items() if m != "scripted"} == \
         {m: r["accuracy"] for m, r in res.items()}
@@ -260,6 +264,34 @@ def test_evaluate_memalpha_runs_all_three_methods():
         sizes.append(sum(count(x) for x in [mem.core] + [t for _, t in mem.entries("semantic") + mem.entries("episodic")]))
     assert with_ceiling["scripted"]["memory_tokens"] == sum(sizes) / 2 > 0
     assert with_ceiling["scripted"]["questions"] == n_q
+
+
+def test_eval_reports_every_chunk_count_it_was_asked(tmp_path, capsys):
+    tok = memalpha_data.build_memalpha_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)
+    for d in ("final", "sft"):
+        model.save_pretrained(tmp_path / d)
+        tok.save_pretrained(tmp_path / d)
+    argv = ["--checkpoint", str(tmp_path), "--instances", "2", "--max-new-tokens", "4", "--device", "cpu"]
+    memalpha_eval.main(argv + ["--chunks", "2", "5"])
+    out = capsys.readouterr().out.splitlines()
+    res = json.loads(out[-1])["by_chunks"]
+    assert list(res) == ["2", "5"] and set(json.loads(out[-1])["sec"]) == {"2", "5"}
+    assert [x.split(",")[0] for x in out if x.startswith("chunks ")] == ["chunks 2: 2 instances",
+                                                                         "chunks 5: 2 instances"]
+    count = lambda s: len(tok.encode(s, add_special_tokens=False))
+    for n, r in res.items():
+        insts = memalpha_data.make_memalpha_instances(data.SPLIT_SEEDS["test"], 2, n_chunks=int(n))
+        assert all(len(i.chunks) == int(n) for i in insts)
+        assert set(r) == {"memalpha", "long_context", "rag_top2", "scripted"}
+        assert all(v["questions"] == sum(len(i.questions) for i in insts) for v in r.values())
+        assert r["memalpha"]["input_tokens"] == r["rag_top2"]["memory_tokens"] == \
+            sum(count(c.text) for i in insts for c in i.chunks) / 2                # these instances, at this count
+        assert {"r1", "r2", "r3", "r4", "over_budget"} <= set(r["memalpha"])
+    assert res["5"]["scripted"]["memory_tokens"] > res["2"]["scripted"]["memory_tokens"]
+    with pytest.raises(SystemExit):                     # more chunks than a world has facts: stops before loading
+        memalpha_eval.main(argv + ["--chunks", "4", "73"])
+    assert capsys.readouterr().err == "error: --chunks 73: a world holds 72 chunks of 2 new facts (must be <= 72)\n"
 
 
 def test_sft_batches_copy_phase_then_all_rows():
