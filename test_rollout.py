@@ -7,7 +7,8 @@ import torch
 import data
 import grpo
 from reward import outcome_reward
-from rollout import AgentConfig, generate, left_pad, parse_action, rollout, sample_next, stop_strings
+from engine import generate, left_pad, sample_next, stop_strings
+from rollout import STOP_STRINGS, AgentConfig, parse_action, rollout
 from search import SearchTool
 
 
@@ -94,7 +95,7 @@ def test_parse_action():
 
 def test_stop_candidates_of_world_tokenizer_are_the_tokens_holding_a_closing_bracket():
     tok = data.build_tokenizer()
-    cands = {tok.convert_ids_to_tokens(i) for i in stop_strings(tok).candidates}
+    cands = {tok.convert_ids_to_tokens(i) for i in stop_strings(tok, STOP_STRINGS).candidates}
     assert {"</search>", "</access>", "</answer>"} <= cands
     assert all(">" in c for c in cands) and "kalo" not in cands and "friend" not in cands
 
@@ -355,7 +356,7 @@ def test_prefix_cache_on_a_bpe_qwen2_with_the_protocol_prompt(tmp_path):
 def test_engine_prefix_cache_rows_of_mixed_prefixes_equal_plain_prefill(tiny):
     """Direct engine check: three stored prefixes of different lengths, suffixes of different lengths, a row
     with no stored prefix, and a row that IS a stored prefix (nothing left to prefill: it gets a shorter one)."""
-    from rollout import PrefixCache
+    from engine import PrefixCache
     tok, model = tiny
     rng = random.Random(4)
     draw = lambda n: [rng.randrange(5, len(tok)) for _ in range(n)]
