@@ -18,9 +18,10 @@ from typing import Callable
 import torch
 
 import data
+from engine import generate, stop_strings
 from memory import extract_mem
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, mem_grounded, memory_rewards, outcome_reward, template_objectives
-from rollout import Round, Trajectory, cut_at_stop, generate, parse_action, stop_strings
+from rollout import STOP_STRINGS, Round, Trajectory, cut_at_stop, parse_action
 
 AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
 
@@ -204,7 +205,7 @@ def stop_value(model, tokenizer, trajs: list, temperature: float, max_new_tokens
 
     A policy that learns to answer early is right to if Q_stop >= Q_go where it stops; if Q_stop < Q_go at
     every round with answers still missing, early answers are the optimizer's noise, not the objective's."""
-    stop_ids, stops = tokenizer.encode(STOP_TEXT, add_special_tokens=False), stop_strings(tokenizer)
+    stop_ids, stops = tokenizer.encode(STOP_TEXT, add_special_tokens=False), stop_strings(tokenizer, STOP_STRINGS)
     states = []                                         # (traj, round index, its Q_go, the branch's prompt ids)
     for t in trajs:
         q_go = outcome_reward(t)["score"]

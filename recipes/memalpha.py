@@ -23,7 +23,7 @@ the generation ends at EOS (``<|im_end|>``) or ``--max-new-tokens``; no KL by de
 
     python -m recipes.memalpha --run runs/memalpha          # then: python -m recipes.memalpha_eval --checkpoint runs/memalpha
 
-Built from the shared pieces: the engine (``rollout.generate``), ``grpo.py`` (advantages, rows), ``sft.run_sft``
+Built from the shared pieces: the engine (``engine.generate``), ``grpo.py`` (advantages, rows), ``sft.run_sft``
 and ``train.ppo_update``; checkpoints and ``--resume`` through checkpoint.py. The memory and its tool calls are
 in ``recipes/memalpha_memory.py``, the task, the scripted writer and the tokenizer in ``recipes/memalpha_data.py``,
 the evaluation against the raw-chunk baselines in ``recipes/memalpha_eval.py``.
@@ -59,6 +59,7 @@ import checkpoint
 import data
 import dist
 import train
+from engine import generate
 from flags import flag
 from grpo import Sample, grouped_advantage
 from models import load_model, pick_device
@@ -68,7 +69,7 @@ from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunks
 from recipes.memalpha_memory import (WRITER_SYSTEM, StructuredMemory, ToolCall, answerer_messages,
                                      execute_tool_calls, parse_tool_calls, writer_messages)
 from reward import em_score
-from rollout import encode_chat, generate
+from rollout import encode_chat
 from sft import cosine_lr, run_sft
 
 
