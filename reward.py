@@ -43,7 +43,7 @@ from collections import Counter
 import torch
 from torch import Tensor
 
-from memory import extract_mem, mem_traj
+from memory import mem_traj
 from rollout import Trajectory, left_pad
 
 PUNCT = set(string.punctuation)
@@ -276,29 +276,15 @@ def answer_prob(logp: Tensor, ans_mask: Tensor, threshold: float = 0.5,
     return torch.where(n > 0, mean.exp(), torch.zeros_like(mean))
 
 
-def mem_grounded(mem: str, sources: list[str]) -> bool:
-    """True when every word of a ``<mem>`` body occurs in the question or an earlier tool result.
-
-    The faithfulness gate: a memory that invents words (e.g. a fake fact carrying the answer)
-    earns no positive memory credit. Digits and punctuation (entry numbers, separators) are free.
-    """
-    seen = set(normalize_answer(" ".join(sources)).split())
-    words = [w for w in normalize_answer(mem).split() if not w.isdigit()]
-    return all(w in seen for w in words)
-
-
 def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float = THRESHOLD,
                    mask_mode: str = MEM_MASK, think: str = PROBE_THINK,
-                   token_budget: int = 8192, gate: bool = False) -> dict:
+                   token_budget: int = 8192) -> dict:
     """mem_reward = P_mem - P_full for every round >= 2 with a <mem> span, all 2N pairs in one pass.
-
-    ``gate``: a memory that is not ``mem_grounded`` in the question and earlier tool results gets
-    ``min(mem_reward, 0)`` (no credit for invented facts; an option, not in the paper).
 
     Returns one dict: ``rewards[i]`` / ``rounds[i]`` (trajectory i's rewards and their round indices),
     ``scored`` (the N (i, t) pairs in the order of every per-round value), ``p_mem`` / ``p_full`` and
     ``mask_mem`` / ``mask_full`` (N,) (P and its count of confident gold words), ``word_logp_mem`` /
-    ``word_logp_full`` (N, W), ``n`` = N, ``ungrounded`` (rounds the gate capped), ``empty_frac`` and
+    ``word_logp_full`` (N, W), ``n`` = N, ``empty_frac`` and
     ``no_signal_frac`` (the share of rounds with a probe, or both, confident on no gold word).
     """
     if mask_mode not in ("separate", "full"):
@@ -336,26 +322,18 @@ def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float =
     p_mem = answer_prob(logp_mem, ans_mask, conf_mask=conf_mem)
     n_full, n_mem = (ans_mask & conf_full).sum(-1), (ans_mask & conf_mem).sum(-1)
 
-    # 5. mem_reward = P_mem - P_full, capped at 0 for a memory the gate finds ungrounded
+    # 5. mem_reward = P_mem - P_full
     rewards: list[list[float]] = [[] for _ in trajs]
     rounds: list[list[int]] = [[] for _ in trajs]
-    ungrounded = 0
     for r, (i, t) in enumerate(scored):
-        reward = float(p_mem[r] - p_full[r])
-        if gate:
-            tr = trajs[i]
-            tools = [rec.text for rec in tr.records if rec.type in ("search_results", "webpage")][:t]
-            if not mem_grounded(extract_mem(tr.rounds[t].text) or "", [tr.question] + tools):
-                reward = min(reward, 0.0)
-                ungrounded += 1
-        rewards[i].append(reward)
+        rewards[i].append(float(p_mem[r] - p_full[r]))
         rounds[i].append(t)
 
     # 6. one result. empty_frac: a probe with no confident answer word on either side; with separate masks
     # that includes a dropped answer (P_full confident, P_mem empty: a strong negative reward).
     # no_signal_frac: NEITHER probe is confident, the only rounds whose reward is 0 by construction
     share = lambda flags: float(flags.float().mean()) if N else 0.0
-    return {"rewards": rewards, "rounds": rounds, "scored": scored, "n": N, "ungrounded": ungrounded,
+    return {"rewards": rewards, "rounds": rounds, "scored": scored, "n": N,
             "p_mem": p_mem.tolist(), "p_full": p_full.tolist(), "mask_mem": n_mem.tolist(),
             "mask_full": n_full.tolist(), "word_logp_full": logp_full, "word_logp_mem": logp_mem,
             "empty_frac": share((n_full == 0) | (n_mem == 0)), "no_signal_frac": share((n_full == 0) & (n_mem == 0))}

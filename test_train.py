@@ -179,11 +179,10 @@ def test_build_samples_and_collate_place_mem_span_and_memory_advantage_by_round_
 
 def test_faithful_sets_its_four_options():
     cfg = train.parse_args(["--faithful", "--mem-mask", "full", "--mem-adv-norm", "nonzero", "--mem-weight", "0.2",
-                            "--mem-gate", "--threshold", "0.9"])
-    assert (cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.mem_gate, cfg.threshold) == ("separate", "std", 1.0,
-                                                                                            False, 0.5)
+                            "--threshold", "0.9"])
+    assert (cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.threshold) == ("separate", "std", 1.0, 0.5)
     d = train.parse_args([])
-    assert (d.mem_mask, d.mem_adv_norm, d.mem_weight, d.mem_gate) == ("separate", "std", 1.0, False)  # the paper's
+    assert (d.mem_mask, d.mem_adv_norm, d.mem_weight) == ("separate", "std", 1.0)  # the paper's
 
 
 def test_train_context_reaches_the_rollout_agent():
