@@ -165,17 +165,6 @@ def outcome_reward(traj: Trajectory) -> dict:
     return {**scores, "valid": valid, "reason": reason}
 
 
-def early_answer(traj) -> float | None:
-    """1.0 if ``traj`` answered after fewer searches than its question has hops, else 0.0; None when the
-    question's hops are unknown (a real QA file). The embedded world's K-objective question has one ``_`` slot
-    per hop, and its expert searches exactly once per hop."""
-    hops = traj.question.count(" _")
-    if not hops:
-        return None
-    answered = bool(traj.rounds) and traj.rounds[-1].action == "answer"
-    return float(answered and sum(r.action == "search" for r in traj.rounds) < hops)
-
-
 # --------------------------------------------------------------------------- memory reward
 
 def answer_template(tokenizer, golds: list[list[str]], think: str = PROBE_THINK) -> tuple[list[int], list[int]]:

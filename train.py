@@ -60,7 +60,7 @@ from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_p
                   policy_loss, token_advantages, token_logprobs)
 from memory import extract_mem
 from models import LORA_TARGETS, autocast, is_lora, load_pretrained
-from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
+from reward import MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
 from search import SearchTool, open_search
 from sft import cold_start, held_out_f1
@@ -342,7 +342,7 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
     """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
          "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
-         "early": [e for e in (early_answer(t) for t in trajs) if e is not None],
+         "early": [e for e in (data.early_answer(t) for t in trajs) if e is not None],
          "k": [len(t.golds) for t in trajs],
          "groups": group_stats(outs, mem, group_ids, [len(t.golds) for t in trajs])}
     if mem is not None:
