@@ -20,13 +20,22 @@ import torch
 import data
 from engine import generate, stop_strings
 from memory import extract_mem
-from reward import MEM_MASK, PROBE_THINK, THRESHOLD, mem_grounded, memory_rewards, outcome_reward, template_objectives
+from reward import (MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, normalize_answer, outcome_reward,
+                    template_objectives)
 from rollout import STOP_STRINGS, Round, Trajectory, cut_at_stop, parse_action
 
 AGO_BUCKETS = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64)]
 
 
 # --------------------------------------------------------------------------- what <mem> kept
+
+def mem_grounded(mem: str, sources: list[str]) -> bool:
+    """True when every word of a ``<mem>`` entry occurs in the question or an earlier tool result (an invented
+    fact is not). Digits and punctuation (entry numbers, separators) are free."""
+    seen = set(normalize_answer(" ".join(sources)).split())
+    words = [w for w in normalize_answer(mem).split() if not w.isdigit()]
+    return all(w in seen for w in words)
+
 
 def memory_diagnostics(trajs: list, tasks: list) -> dict:
     """Retention, faithfulness and turn drift of ``<mem>``, measurable because the world's facts are known.

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import PrefixCache, generate, left_pad, stop_strings  # noqa: F401  left_pad: reward.py's import
+from engine import PrefixCache, generate, stop_strings
 from memory import Record, mem_token_end, prepare_prompt, tool_record
 from search import Retriever
 

@@ -60,7 +60,7 @@ from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_p
                   policy_loss, token_advantages, token_logprobs)
 from memory import extract_mem
 from models import LORA_TARGETS, autocast, is_lora, load_pretrained
-from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
+from reward import MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
 from search import SearchTool, open_search
 from sft import cold_start, held_out_f1
@@ -177,7 +177,6 @@ class Config:
     mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens", min=0)
     mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
                                      "whose rewards differ by a hair gets unit-variance advantages)", min=0)
-    mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
     # P_mem - P_full cannot see an entry dropped before its answer is found; the world can (data.mem_entry_score)
     entry_reward: float = flag(0.0, "MemPO, embedded world: add this times the share of right <mem> entries to "
                                     "each round's memory reward (0 = the paper's reward)", min=0)
@@ -242,7 +241,7 @@ class Config:
 
 
 # the memory reward's flags: --algo grpo reads none of them
-MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_floor", "mem_gate", "entry_reward",
+MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_floor", "entry_reward",
               "faithful", "probe_think")
 
 
@@ -268,7 +267,7 @@ def parse_args(argv=None, config=Config):
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     if cfg.faithful:
-        cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.mem_gate, cfg.threshold = "separate", "std", 1.0, False, 0.5
+        cfg.mem_mask, cfg.mem_adv_norm, cfg.mem_weight, cfg.threshold = "separate", "std", 1.0, 0.5
     return cfg
 
 
@@ -343,14 +342,14 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
     """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
          "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
-         "early": [e for e in (early_answer(t) for t in trajs) if e is not None],
+         "early": [e for e in (data.early_answer(t) for t in trajs) if e is not None],
          "k": [len(t.golds) for t in trajs],
          "groups": group_stats(outs, mem, group_ids, [len(t.golds) for t in trajs])}
     if mem is not None:
         # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
         v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
               "mask_mem": mem["mask_mem"], "mask_full": mem["mask_full"], "empty": [mem["empty_frac"] * mem["n"]],
-              "no_signal": [mem["no_signal_frac"] * mem["n"]], "ungrounded": [mem["ungrounded"]]}
+              "no_signal": [mem["no_signal_frac"] * mem["n"]]}
         # each pool's (std, sum |A_M|): the stds the advantages are divided by, and where their magnitude goes
         pool_w = memory_pool_weights(mem["rewards"], mem_adv, group_ids, mem["rounds"], cfg.mem_adv_norm)
         no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
@@ -401,7 +400,7 @@ def step_metrics(v: dict[str, list]) -> dict:
         m.update(mem_reward=mean(flat), p_mem=mean(v["p_mem"]), p_full=mean(v["p_full"]),
                  mask_mem=mean(v["mask_mem"]), mask_full=mean(v["mask_full"]),
                  empty_frac=n_empty / len(flat) if flat else 0.0, no_signal_frac=n_none / len(flat) if flat else 0.0,
-                 mem_rounds=len(flat), ungrounded=sum(v["ungrounded"]), pool_std=mean(v["pool_std"]))
+                 mem_rounds=len(flat), pool_std=mean(v["pool_std"]))
     if "pool_w" in v:                   # where the memory advantage's magnitude goes
         stds, total = sorted(s for s, _ in v["pool_w"]) or [0.0], sum(w for _, w in v["pool_w"]) or 1.0
         m["pool_std_p10"], m["pool_std_p50"] = stds[len(stds) // 10], stds[len(stds) // 2]
@@ -442,7 +441,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         if cfg.algo == "mempo":
             with autocast(cfg.precision, model.device):
                 mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
-                                     think=cfg.probe_think, gate=cfg.mem_gate)
+                                     think=cfg.probe_think)
             if cfg.entry_reward and real_tasks is None:
                 add_entry_rewards(mem, trajs, tasks, q0, cfg.entry_reward)
             mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm,
