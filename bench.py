@@ -8,7 +8,7 @@
 Every speed figure is a ratio of two things timed in the same run, interleaved (A, B, A, B, ...),
 the median of ``--repeats`` repeats, with the absolute numbers beside it:
 
-1. **decode** (``decode_speedup``): ``rollout.generate`` vs ``model.generate`` on the same model and
+1. **decode** (``decode_speedup``): ``engine.generate`` vs ``model.generate`` on the same model and
    the same 64 left-padded prompts, the same number of new tokens (no EOS, no stop), plain sampling
    at temperature 1 (``top_k=0`` for HF, so both sample the full softmax). Tokens/s of each and the
    ratio. Then greedy parity: both at temperature 0 must give identical tokens.
@@ -82,12 +82,13 @@ from bench_search import bench_search, print_search, search_sizes, search_summar
 import data
 import grpo
 import models
-import rollout as engine
+import rollout
 import train
+from engine import generate, left_pad
 from flags import Accepts, FlagParser
 from memory import Record, mem_token_end, mem_traj, prepare_prompt, tool_record
 from reward import answer_logprobs, answer_template
-from rollout import PROTOCOL_PROMPT, AgentConfig, encode_chat, generate, left_pad, question_prefix
+from rollout import PROTOCOL_PROMPT, AgentConfig, encode_chat, question_prefix
 from search import SearchTool
 
 DEFAULT_CHECKPOINTS = ["runs/default/final", "runs/bench_sft/final"]
@@ -174,7 +175,7 @@ def side_by_side(fns: dict, repeats: int, device: torch.device, warm_up: bool = 
 
 def hf_generate(model, prompts, max_new_tokens, *, pad_id, eos_id=None, stop_seqs=(), stops=None, temperature=1.0,
                 top_p=1.0, generator=None, prefix_cache=None):
-    """``rollout.generate``'s contract on top of ``model.generate``: re-prefill all (``prefix_cache`` unused),
+    """``engine.generate``'s contract on top of ``model.generate``: re-prefill all (``prefix_cache`` unused),
     cut each row after its stop."""
     ids, attn = left_pad(prompts, pad_id, model.device)
     ends = [s[0] for s in stop_seqs if len(s) == 1] + ([eos_id] if eos_id is not None else [])
@@ -199,8 +200,8 @@ def hf_generate(model, prompts, max_new_tokens, *, pad_id, eos_id=None, stop_seq
 
 def naive_rollout(*args, **kwargs):
     """The agent loop of ``rollout.rollout`` with ``hf_generate`` as its engine."""
-    with mock.patch.object(engine, "generate", hf_generate):
-        return engine.rollout(*args, **kwargs)
+    with mock.patch.object(rollout, "generate", hf_generate):
+        return rollout.rollout(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------- the six figures
@@ -237,7 +238,7 @@ def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: 
     for temp in (1.0, 0.0) if greedy else (1.0,):
         agent = AgentConfig(system_prompt=system_prompt, context="snail", max_turns=cfg.max_turns,
                             max_new_tokens=max_new, temperature=temp)
-        loops = {"on": (engine.rollout, agent), "off": (engine.rollout, replace(agent, prefix_cache=False)),
+        loops = {"on": (rollout.rollout, agent), "off": (rollout.rollout, replace(agent, prefix_cache=False)),
                  "naive": (naive_rollout, replace(agent, prefix_cache=False))}     # nothing to reuse there
         seeds = {name: iter(range(10**6)) for name in loops}
         last = {}
@@ -370,7 +371,7 @@ def bench_train_step(model, tok, device, steps: int) -> dict:
     out["skipped_updates"] = sum("skipped" in r for r in rows)       # e.g. every score tied: nothing to learn
     if out["skipped_updates"]:     # a random model ties every score: time the update on random +-1 advantages
         tasks, tool = train.rl_tasks(cfg, 0)
-        trajs = engine.rollout(model, tok, tasks, cfg.group, tool, agent, torch.Generator(device).manual_seed(0))
+        trajs = rollout.rollout(model, tok, tasks, cfg.group, tool, agent, torch.Generator(device).manual_seed(0))
         adv = torch.tensor([(-1.0) ** i for i in range(len(trajs))])
         samples = train.build_samples(trajs, adv, None, None)
         t0 = time.perf_counter()
@@ -469,7 +470,7 @@ def figures(args, device: torch.device, repeats: int) -> dict:
     with models.autocast(cfg.precision, device):         # the training forward: bf16 autocast on CUDA, fp32 on CPU
         dec = bench_decode(model, tok, device, n_new, repeats)
         # the real-model path's protocol prompt (hundreds of tokens), then the checkpoint's own prompt (what it trained on)
-        own_prompt = engine.checkpoint_prompt(source) if os.path.isdir(source) else PROTOCOL_PROMPT
+        own_prompt = rollout.checkpoint_prompt(source) if os.path.isdir(source) else PROTOCOL_PROMPT
         ro = bench_rollout(p_model, p_tok, device, cfg, repeats, cfg.max_new_tokens, PROTOCOL_PROMPT)
         ro_own = (bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens, own_prompt, greedy=False)
                   if own_prompt != PROTOCOL_PROMPT else None)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import models
-import rollout as engine
+import rollout
 import search
 import train
 
@@ -101,7 +101,7 @@ def step_searches(model, tok, device) -> dict:
     timed = Timed(tool.docs)
     agent = train.agent_config(cfg)
     with models.autocast(cfg.precision, device):
-        engine.rollout(model, tok, tasks, cfg.group, timed, agent, torch.Generator(device).manual_seed(0))
+        rollout.rollout(model, tok, tasks, cfg.group, timed, agent, torch.Generator(device).manual_seed(0))
     return {"searches": timed.queries, "search_s": timed.seconds}
 
 

@@ -261,6 +261,17 @@ def answers_from_mem(task: Task, mem: str) -> str:
     return " ; ".join(entries[k][-1] if done(entries.get(k, [])) else UNKNOWN for k in range(len(task.objectives)))
 
 
+def early_answer(traj) -> float | None:
+    """1.0 if ``traj`` (``.question``, ``.rounds[t].action``) answered after fewer searches than its question has
+    hops, else 0.0; None when the question's hops are unknown (a real QA file). A question of this world has one
+    ``_`` slot per hop, and its expert searches exactly once per hop."""
+    hops = traj.question.count(" _")
+    if not hops:
+        return None
+    answered = bool(traj.rounds) and traj.rounds[-1].action == "answer"
+    return float(answered and sum(r.action == "search" for r in traj.rounds) < hops)
+
+
 def context_answers(task: Task, episode: list[tuple[str, tuple[str, str] | None]], t: int,
                     context: str = "snail") -> str:
     """What round t's CONTEXT tells about each objective's answer, as the expert would answer (``unknown`` else).

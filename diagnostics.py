@@ -26,15 +26,25 @@ from typing import Callable
 import torch
 
 import data
+from engine import generate, stop_strings
 from eval import embedded_tasks, greedy_agent, load, mean_ci, memory_retention, run_reward_config
 from flags import Accepts, FlagParser
 from memory import extract_mem
 from models import gguf_file, pick_device
-from reward import MEM_MASK, PROBE_THINK, THRESHOLD, mem_grounded, memory_rewards, outcome_reward, template_objectives
-from rollout import AgentConfig, Round, Trajectory, cut_at_stop, generate, parse_action, run_episodes, stop_strings
+from reward import (MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, normalize_answer, outcome_reward,
+                    template_objectives)
+from rollout import STOP_STRINGS, AgentConfig, Round, Trajectory, cut_at_stop, parse_action, run_episodes
 
 
 # --------------------------------------------------------------------------- what <mem> kept
+
+def mem_grounded(mem: str, sources: list[str]) -> bool:
+    """True when every word of a ``<mem>`` entry occurs in the question or an earlier tool result (an invented
+    fact is not). Digits and punctuation (entry numbers, separators) are free."""
+    seen = set(normalize_answer(" ".join(sources)).split())
+    words = [w for w in normalize_answer(mem).split() if not w.isdigit()]
+    return all(w in seen for w in words)
+
 
 def memory_diagnostics(trajs: list, tasks: list) -> dict:
     """``eval.memory_retention`` (retention by rounds-ago, turn drift), faithfulness, and round 2's memory update
@@ -182,7 +192,7 @@ def stop_value(model, tokenizer, trajs: list, temperature: float, max_new_tokens
 
     A policy that learns to answer early is right to if Q_stop >= Q_go where it stops; if Q_stop < Q_go at
     every round with answers still missing, early answers are the optimizer's noise, not the objective's."""
-    stop_ids, stops = tokenizer.encode(STOP_TEXT, add_special_tokens=False), stop_strings(tokenizer)
+    stop_ids, stops = tokenizer.encode(STOP_TEXT, add_special_tokens=False), stop_strings(tokenizer, STOP_STRINGS)
     states = []                                         # (traj, round index, its Q_go, the branch's prompt ids)
     for t in trajs:
         q_go = outcome_reward(t)["score"]

@@ -38,7 +38,7 @@ from flags import Accepts, FlagParser
 from memory import extract_mem
 from models import gguf_file, load_pretrained, pick_device
 from checkpoint import run_config, trained_probe_think
-from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
+from reward import MEM_MASK, THRESHOLD, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, parse_action, run_episodes
 from search import Retriever, SearchTool, open_search
 import viz
@@ -63,14 +63,14 @@ def run_context(context: str | None, checkpoint: str) -> str:
 
 def summarize(trajs: list) -> dict:
     """Mean F1, EM, score, format-valid rate, TT, PT and turns over trajectories, and the early-answer share
-    (``reward.early_answer``: answered after fewer searches than the question's hops; embedded world only)."""
+    (``data.early_answer``: answered after fewer searches than the question's hops; embedded world only)."""
     rows = []
     for t in trajs:
         o = outcome_reward(t)
         rows.append({"f1": o["f1"], "em": o["em"], "score": o["score"], "valid": float(o["valid"]),
                      "tt": sum(r.n_tokens for r in t.rounds),
                      "pt": max((r.n_tokens for r in t.rounds), default=0), "turns": len(t.rounds)})
-    early = [e for e in map(early_answer, trajs) if e is not None]
+    early = [e for e in map(data.early_answer, trajs) if e is not None]
     return ({k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} | {"n": len(rows)}
             | ({"early": sum(early) / len(early)} if early else {}))
 

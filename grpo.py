@@ -1,63 +1,21 @@
-"""GRPO advantages and the clipped PPO loss, with MemPO's memory advantage.
+"""GRPO advantages and the clipped PPO loss, with MemPO's memory advantage: pure functions, to copy out.
 
-GRPO samples G rollouts per question (a *group*) and uses the group itself as the baseline:
+GRPO samples G rollouts per question (a *group*) and uses the group itself as the baseline; MemPO adds an
+advantage for each round's memory, its reward (P_mem - P_full, reward.py) normalised over a pool of every
+trajectory AND every round of the same question:
 
-    A_T[i] = (score_i - mean_g) / (std_g + eps)            outcome advantage, one per rollout
+    A_T[i]    = (score_i - mean_group) / (std_group + eps)               outcome, one per rollout
+    A_M[i, t] = (mem_reward[i, t] - mean_pool) / (std_pool + eps)        memory, one per round
+    A         = A_T + w * A_M on round t's <mem>...</mem> tokens, A_T on the other sampled tokens
 
-MemPO adds a second advantage for the tokens of each round's <mem>...</mem> span. Every
-memory reward mem_reward[i, t] (P_mem - P_full, see reward.py) of every trajectory i AND every
-round t of the same question goes into one pool, normalised the same way:
+The loss is PPO's clipped surrogate on per-token ratios rho = exp(logp - logp_old), aggregated over tokens
+(verl's default) or per trajectory first (the paper's Eq. 10). Mask convention: 1 = sampled by the policy, 0 =
+prompt, tool output, padding. std is the unbiased one (torch.std, verl's): a group of scores [1,0,1,1,0] gets
++0.7303 / -1.0954, not the population std's +0.8 / -1.2. Each function's docstring holds its options.
 
-    A_M[i, t] = (mem_reward[i, t] - mean_pool) / (std_pool + eps)
-
-and the per-token advantage is  A = A_T + w * A_M  on round t's mem span, A_T on the other
-sampled tokens, 0 on prompt / tool output / padding (mask convention: 1 = sampled by policy).
-
-The loss is PPO's clipped surrogate on per-token ratios rho = exp(logp - logp_old):
-
-    L_tok = max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high))       (+ dual clip, + KL)
-
-aggregated over tokens ("token-mean", verl's default) or per sequence first
-("seq-mean-token-mean", the paper's Eq. 10; "seq-mean-token-sum").
-
-Choices and deviations (the paper does not fix these):
-* std is the UNBIASED one (torch.std, as in verl): a group [1,0,1,1,0] gets std 0.5477 -> +0.7303 /
-  -1.0954 (the population std would give +0.8 / -1.2). A group (or pool) of one value gets advantage 0
-  (mean = itself, std := 1). A constant group gets 0, never NaN (the eps in the denominator).
-* norm_by_std=False is Dr.GRPO (score - mean); filter_groups is DAPO's filter (rows of groups whose
-  scores are all equal are dropped). MemPO uses neither; they are here for recipes that do.
-* memory_advantage offers four pooling modes: "std" (the paper's pool over trajectories and
-  rounds), "none" (pool mean only), "round" (a separate pool per round index k, so round 2
-  memories compete only with round 2 memories; keyed on the real round index that
-  reward.memory_rewards returns in out["rounds"], since a round without a closed </mem> is not
-  scored and list positions then skip it), "nonzero" (zero rewards -- usually both
-  probabilities 0, i.e. no signal -- are left out of the pool and get advantage 0).
-  memory_pool_stds gives the unbiased std of each of those pools (>= 2 rewards): the std the
-  advantages are divided by (train.py logs their mean).
-* The mem span may include the forced "<mem>" prefix (it belongs to the span), but the
-  advantage is multiplied by the loss mask, so forced tokens never receive gradient.
-* token_logprobs returns 0 at t = 0 and wherever the token or its predecessor is padding, so a
-  left-padded row gives exactly the numbers of the same row run alone.
-* clip_frac counts tokens whose loss differs from the unclipped -A*rho (PPO clip or dual clip
-  active, i.e. no gradient from that token).
-* KL to the reference is verl's "low_var_kl" (k3) estimator exp(d) - d - 1, d = ref - logp
-  clamped to [-20, 20] and the result to [-10, 10], added to every token's loss before
-  aggregation.
-* Loss denominators (n_tokens, n_seqs, seq_tokens) are for the WHOLE batch: when a batch is split
-  into micro-batches for gradient accumulation, the caller passes the full batch's counts, so the
-  sum of the micro-batch losses equals the full-batch loss (nanochat divides per micro-batch,
-  which weights short micro-batches up). Defaults are this call's own counts.
-* A *sequence* in the seq-* modes is a trajectory (Eq. 10 normalises per trajectory), which the
-  trainer stores as several rows (one per round). ``seq_tokens[b]`` is the policy-token count of
-  the whole trajectory row b belongs to and ``n_seqs`` the number of trajectories, so
-  seq-mean-token-mean = mean over trajectories of (mean over that trajectory's policy tokens).
-  Default: every row is a sequence of its own (seq_tokens = the row's count).
-
-Rows and batches (``Sample``, ``collate``, ``micro_batches``): every round is one training row
-``context + forced prefix + output`` with loss mask 1 on ``output``; ``collate`` right-pads rows into
-the (B, T) tensors the loss reads, and ``micro_batches`` sorts rows by length and cuts them into
-micro-batches of at most ``token_budget`` padded tokens (little padding; the denominators above stay
-the whole batch's).
+Left out: sampling, the reference model and the optimizer (the caller's); a value model (GRPO has none).
+Here for every recipe: Dr.GRPO's and DAPO's options and the training rows (``Sample``, ``collate``,
+``micro_batches``).
 """
 from __future__ import annotations
 
@@ -75,7 +33,11 @@ def _group_index(group_ids: Tensor) -> tuple[Tensor, int]:
 
 def grouped_advantage(scores: Tensor, group_ids: Tensor, eps: float = 1e-6,
                       norm_by_std: bool = True) -> Tensor:
-    """(score - group mean) / (unbiased group std + eps) per row; scores, group_ids (N,) -> (N,)."""
+    """(score - group mean) / (unbiased group std + eps) per row; scores, group_ids (N,) -> (N,).
+
+    A group of one gets 0 (its mean is itself, std := 1), a constant group 0, never NaN (eps). ``norm_by_std=False``
+    is Dr.GRPO's (score - mean); MemPO normalises.
+    """
     scores = scores.float() if not scores.is_floating_point() else scores
     if scores.numel() == 0:
         return scores.clone()
@@ -90,19 +52,6 @@ def grouped_advantage(scores: Tensor, group_ids: Tensor, eps: float = 1e-6,
     return centred / (std[index] + eps)
 
 
-def _normalise(values: list[float], eps: float, by_std: bool, std_floor: float = 0.0) -> list[float]:
-    """Normalise one pool of floats: (v - mean) / (max(unbiased std, std_floor) + eps); a pool of one -> [0]."""
-    n = len(values)
-    if n == 0:
-        return []
-    mean = sum(values) / n
-    if not by_std:
-        return [v - mean for v in values]
-    if n == 1:
-        return [0.0]
-    return [(v - mean) / (max(_unbiased_std(values), std_floor) + eps) for v in values]
-
-
 def _unbiased_std(values: list[float]) -> float:
     """The unbiased std of >= 2 floats (torch.std's, as grouped_advantage uses)."""
     mean = sum(values) / len(values)
@@ -111,12 +60,12 @@ def _unbiased_std(values: list[float]) -> float:
 
 def _memory_pools(mem_rewards: list[list[float]], group_ids: list[int], rounds: list[list[int]] | None,
                   norm: str) -> list[list[tuple[int, int]]]:
-    """The pools memory_advantage normalises over: lists of (trajectory i, position k in mem_rewards[i])."""
+    """Who competes with whom under ``norm``: the pools, as lists of (trajectory i, position k in mem_rewards[i])."""
     if norm not in ("std", "none", "round", "nonzero"):
         raise ValueError(f"unknown norm {norm!r}")
     if norm == "round" and rounds is None:
         raise ValueError("norm='round' needs the round index of every reward (memory_rewards' out['rounds'])")
-    pools: dict[tuple, list[tuple[int, int]]] = {}   # pool key -> members; the key decides who competes
+    pools: dict[tuple, list[tuple[int, int]]] = {}   # pool key -> members
     for i, (rewards, g) in enumerate(zip(mem_rewards, group_ids)):
         for k, r in enumerate(rewards):
             if norm == "nonzero" and r == 0:
@@ -129,27 +78,31 @@ def _memory_pools(mem_rewards: list[list[float]], group_ids: list[int], rounds: 
 def memory_advantage(mem_rewards: list[list[float]], group_ids: list[int],
                      rounds: list[list[int]] | None = None, eps: float = 1e-6,
                      norm: str = "std", std_floor: float = 0.0) -> list[list[float]]:
-    """Normalise per-round memory rewards over a pool per group; same nested shape out.
+    """A_M: every memory reward normalised over its pool; ``mem_rewards[i][k]`` (trajectory i) -> same nested shape.
 
-    ``rounds[i][k]`` is the round index of ``mem_rewards[i][k]`` (needed by ``norm="round"`` only:
-    a trajectory may skip a round that wrote no ``<mem>``, so list position is not the round).
-    ``std_floor`` > 0 divides by max(std, std_floor): a pool whose rewards differ by a hair gets
-    advantages of that hair's size, not unit variance (0 = the paper's pool).
+    The paper's pool (``norm="std"``) is every reward of every trajectory AND round of one question (group):
+    A_M = (r - pool mean) / (unbiased pool std + eps); a pool of one gets 0. Other pools, not in the paper:
+    ``"none"`` subtracts the pool mean only; ``"round"`` pools per question and round index (round 2 memories
+    compete only with round 2 memories), read from ``rounds[i][k]`` (memory_rewards' ``out["rounds"]``: a round
+    without a closed ``</mem>`` is not scored, so list position is not the round); ``"nonzero"`` leaves zero
+    rewards (usually both P = 0: no signal) out of the pool, with advantage 0. ``std_floor`` > 0 divides by
+    max(std, std_floor): a pool whose rewards differ by a hair gets advantages of that hair's size, not unit
+    variance.
     """
     out = [[0.0] * len(rewards) for rewards in mem_rewards]
     for members in _memory_pools(mem_rewards, group_ids, rounds, norm):
-        normed = _normalise([mem_rewards[i][k] for i, k in members], eps, by_std=norm != "none",
-                            std_floor=std_floor)
+        pool = [mem_rewards[i][k] for i, k in members]
+        mean = sum(pool) / len(pool)
+        if norm == "none":
+            normed = [v - mean for v in pool]
+        elif len(pool) == 1:
+            normed = [0.0]
+        else:
+            std = max(_unbiased_std(pool), std_floor)
+            normed = [(v - mean) / (std + eps) for v in pool]
         for (i, k), a in zip(members, normed):
             out[i][k] = a
     return out
-
-
-def memory_pool_stds(mem_rewards: list[list[float]], group_ids: list[int],
-                     rounds: list[list[int]] | None = None, norm: str = "std") -> list[float]:
-    """The unbiased std of each pool of ``memory_advantage(norm=norm)`` that holds >= 2 rewards."""
-    pools = [[mem_rewards[i][k] for i, k in members] for members in _memory_pools(mem_rewards, group_ids, rounds, norm)]
-    return [_unbiased_std(vals) for vals in pools if len(vals) > 1]
 
 
 def memory_pool_weights(mem_rewards: list[list[float]], mem_adv: list[list[float]], group_ids: list[int],
@@ -162,14 +115,22 @@ def memory_pool_weights(mem_rewards: list[list[float]], mem_adv: list[list[float
 
 def token_advantages(outcome_adv: Tensor, mem_adv: Tensor, mem_span: Tensor, loss_mask: Tensor,
                      mem_weight: float = 1.0) -> Tensor:
-    """A_T on every token + w * A_M on the mem span, times the loss mask -> (B, T)."""
+    """A_T on every token + w * A_M on the mem span, times the loss mask -> (B, T).
+
+    The mem span may hold the forced ``<mem>`` prefix (it belongs to the span); the loss mask zeroes it, so
+    forced tokens never receive gradient.
+    """
     adv = outcome_adv.float()[:, None] + mem_weight * mem_adv.float()[:, None] * mem_span.float()
     return adv * loss_mask.float()                                                     # (B, T)
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
                    position_ids: Tensor | None = None) -> Tensor:
-    """out[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) at this temperature -> (B, T)."""
+    """out[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) at this temperature -> (B, T).
+
+    0 at t = 0 and wherever the token or its predecessor is padding, so a left-padded row gives exactly the
+    numbers of the same row run alone.
+    """
     if position_ids is None:  # left padding: real tokens count from 0
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
@@ -188,7 +149,21 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
                 agg: str = "token-mean", ref_logp: Tensor | None = None, kl_coef: float = 0.0,
                 n_tokens: float | None = None, n_seqs: float | None = None,
                 seq_tokens: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Clipped PPO surrogate (+ dual clip, + k3 KL) aggregated by `agg`; inputs (B, T), seq_tokens (B,)."""
+    """Clipped PPO surrogate (+ dual clip, + k3 KL) aggregated by `agg`; inputs (B, T), seq_tokens (B,).
+
+        L_tok = max(-A * rho, -A * clip(rho, 1 - clip_low, 1 + clip_high))      rho = exp(logp - old_logp)
+
+    ``dual_clip`` c bounds a negative-advantage token's loss by -A * c. The KL to the reference is verl's
+    ``low_var_kl`` (k3) exp(d) - d - 1, d = ref_logp - logp clamped to [-20, 20] and the result to [-10, 10],
+    added to every token's loss (times ``kl_coef``) before aggregation. ``agg``: ``token-mean`` (verl's default),
+    ``seq-mean-token-mean`` (the paper's Eq. 10) or ``seq-mean-token-sum``. A *sequence* is a trajectory, which
+    the trainer stores as several rows (one per round): ``seq_tokens[b]`` is the policy-token count of the
+    trajectory row b belongs to and ``n_seqs`` the number of trajectories (default: every row its own sequence).
+    The denominators (``n_tokens``, ``n_seqs``, ``seq_tokens``) are the WHOLE batch's: a caller that splits it
+    into micro-batches passes the full batch's counts, so the micro-batch losses sum to the full-batch loss
+    (nanochat divides per micro-batch, which weights short micro-batches up); the defaults are this call's.
+    ``clip_frac`` counts tokens whose loss differs from -A * rho (a clip acts: no gradient from that token).
+    """
     mask = mask.to(logp.dtype)
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)                                                       # (B, T)
@@ -235,7 +210,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
 
 
 def filter_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
-    """DAPO filter: True for rows whose group has non-identical scores; (N,) -> (N,) bool."""
+    """DAPO's filter: True for rows whose group has non-identical scores; (N,) -> (N,) bool. MemPO keeps all rows."""
     if scores.numel() == 0:
         return torch.zeros(0, dtype=torch.bool)
     index, n_groups = _group_index(group_ids)
@@ -249,7 +224,7 @@ def filter_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
 
 @dataclass
 class Sample:
-    """One round as a training row: ids = context + prefix + output; loss on output only."""
+    """One round as a training row: ids = context + forced prefix + output; loss mask 1 on output only."""
     ids: list[int]
     n_prompt: int            # context + forced prefix (mask 0)
     mem_end: int = 0         # tokens after n_prompt - len(prefix) that form the <mem> span
@@ -281,7 +256,8 @@ def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tenso
 
 
 def micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
-    """Sort rows by length and cut into micro-batches of at most ``token_budget`` padded tokens."""
+    """Sort rows by length and cut into micro-batches of at most ``token_budget`` padded tokens (little padding;
+    policy_loss's denominators stay the whole batch's)."""
     order = sorted(samples, key=lambda s: len(s.ids))
     batches, cur = [], []
     for s in order:

@@ -15,7 +15,10 @@ split on ``;``, part k against objective k's aliases:
     mem_reward[i,t] = P_mem - P_full
 
 All 2N (context, answer) pairs go through one batched no-grad forward; grpo.py pools and normalises the
-rewards. Choices, with their reasons (measured: results/STUDIES.md):
+rewards. The math works on token ids (``p_mem_minus_p_full``); ``memory_rewards`` picks the rounds and builds
+their two contexts from trajectories, read by attribute. The file imports nothing of the project, so it
+copies out alone (torch; a tokenizer and a model are passed in).
+Choices, with their reasons (measured: results/STUDIES.md):
 1. Both probes are in distribution: the think word is a marker, ``probe``, the policy never writes, and SFT
    teaches it (``sft.probe_samples``, ``sft.file_probe_samples`` for ``--sft-data``) to answer after a round's
    context and after prompt + ``<mem>``. A small policy answers only where it has learnt to; without these rows
@@ -42,9 +45,7 @@ from collections import Counter
 
 import torch
 from torch import Tensor
-
-from memory import extract_mem, mem_traj
-from rollout import Trajectory, left_pad
+from torch.nn.utils.rnn import pad_sequence
 
 PUNCT = set(string.punctuation)
 TAG_RE = re.compile(r"<(/?)(mem|think|search|access|answer|information)>")
@@ -158,22 +159,12 @@ def validate_format(rounds: list[str], require_mem_from: int = 2) -> tuple[bool,
     return True, "ok"
 
 
-def outcome_reward(traj: Trajectory) -> dict:
-    """Format check + answer score -> {"score", "em", "f1", "valid", "reason"}; invalid scores 0."""
+def outcome_reward(traj) -> dict:
+    """Format check + answer score of a trajectory (``.rounds[t].text``, ``.answer``, ``.golds``) -> {"score", "em",
+    "f1", "valid", "reason"}; invalid scores 0."""
     valid, reason = validate_format([r.text for r in traj.rounds])
     scores = score_answer(traj.answer if valid else None, traj.golds)
     return {**scores, "valid": valid, "reason": reason}
-
-
-def early_answer(traj) -> float | None:
-    """1.0 if ``traj`` answered after fewer searches than its question has hops, else 0.0; None when the
-    question's hops are unknown (a real QA file). The embedded world's K-objective question has one ``_`` slot
-    per hop, and its expert searches exactly once per hop."""
-    hops = traj.question.count(" _")
-    if not hops:
-        return None
-    answered = bool(traj.rounds) and traj.rounds[-1].action == "answer"
-    return float(answered and sum(r.action == "search" for r in traj.rounds) < hops)
 
 
 # --------------------------------------------------------------------------- memory reward
@@ -250,7 +241,11 @@ def answer_logprobs(model, contexts: list[list[int]], answers: list[list[int]], 
         A = max(lens, default=0)
         if A == 0:
             continue
-        ids, attn = left_pad([seqs[i] for i in rows], pad_id, device)              # (b, L)
+        # left padding, so every row's answer ends at the last column; positions count real tokens only
+        ids = pad_sequence([torch.tensor(seqs[i], dtype=torch.long) for i in rows], batch_first=True,
+                           padding_value=pad_id, padding_side="left").to(device)   # (b, L)
+        attn = pad_sequence([torch.ones(len(seqs[i]), dtype=torch.long) for i in rows], batch_first=True,
+                            padding_side="left").to(device)                          # (b, L)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
                        logits_to_keep=A + 1).logits[:, :A].float()                 # (b, A, V)
@@ -276,57 +271,30 @@ def answer_prob(logp: Tensor, ans_mask: Tensor, threshold: float = 0.5,
     return torch.where(n > 0, mean.exp(), torch.zeros_like(mean))
 
 
-def mem_grounded(mem: str, sources: list[str]) -> bool:
-    """True when every word of a ``<mem>`` body occurs in the question or an earlier tool result.
+def p_mem_minus_p_full(model, full_traj: list[list[int]], mem_traj: list[list[int]], answers: list[list[int]],
+                       ans_masks: list[list[int]], pad_id: int, threshold: float = THRESHOLD,
+                       mask_mode: str = MEM_MASK, token_budget: int = 8192) -> dict[str, Tensor]:
+    """MemPO's memory reward of N rounds given as token ids, all 2N (context, answer) pairs in one no-grad pass.
 
-    The faithfulness gate: a memory that invents words (e.g. a fake fact carrying the answer)
-    earns no positive memory credit. Digits and punctuation (entry numbers, separators) are free.
-    """
-    seen = set(normalize_answer(" ".join(sources)).split())
-    words = [w for w in normalize_answer(mem).split() if not w.isdigit()]
-    return all(w in seen for w in words)
-
-
-def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float = THRESHOLD,
-                   mask_mode: str = MEM_MASK, think: str = PROBE_THINK,
-                   token_budget: int = 8192, gate: bool = False) -> dict:
-    """mem_reward = P_mem - P_full for every round >= 2 with a <mem> span, all 2N pairs in one pass.
-
-    ``gate``: a memory that is not ``mem_grounded`` in the question and earlier tool results gets
-    ``min(mem_reward, 0)`` (no credit for invented facts; an option, not in the paper).
-
-    Returns one dict: ``rewards[i]`` / ``rounds[i]`` (trajectory i's rewards and their round indices),
-    ``scored`` (the N (i, t) pairs in the order of every per-round value), ``p_mem`` / ``p_full`` and
-    ``mask_mem`` / ``mask_full`` (N,) (P and its count of confident gold words), ``word_logp_mem`` /
-    ``word_logp_full`` (N, W), ``n`` = N, ``ungrounded`` (rounds the gate capped), ``empty_frac`` and
-    ``no_signal_frac`` (the share of rounds with a probe, or both, confident on no gold word).
+    ``full_traj[n]`` / ``mem_traj[n]``: round n's two contexts; ``answers[n]`` / ``ans_masks[n]``: its gold
+    answer template and gold word numbers (``answer_template``). ``mask_mode="full"`` judges both P on the
+    words the full context is confident on. Returns (N,) tensors ``mem_reward`` = ``p_mem`` - ``p_full`` and
+    ``n_mem`` / ``n_full`` (confident gold words), and (N, W) ``word_logp_mem`` / ``word_logp_full``.
     """
     if mask_mode not in ("separate", "full"):
         raise ValueError(f"unknown mask_mode {mask_mode!r}")
-    # 1. the rounds scored: t >= 2 (index >= 1) whose <mem> span closed
-    scored = [(i, t) for i, tr in enumerate(trajs) for t, r in enumerate(tr.rounds)
-              if t >= 1 and r.mem_end > 0]
-    N = len(scored)
-
-    # 2. the 2N (context, answer) pairs: full_traj[i,t], then mem_traj[i,t]; the answer template on both
-    templates = {i: answer_template(tokenizer, trajs[i].golds, think) for i, _ in scored}
-    full_traj = [trajs[i].rounds[t].context_ids for i, t in scored]
-    mem_trajs = [mem_traj(trajs[i].prompt_ids, trajs[i].rounds[t].round_ids, trajs[i].rounds[t].mem_end)
-                 for i, t in scored]
-    answers = [templates[i][0] for i, _ in scored]
-
-    # 3. ONE batched no-grad forward: log p of every answer token, zero-padded to (2N, A)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    logps = answer_logprobs(model, full_traj + mem_trajs, answers + answers, pad_id, token_budget) if N else []
+    N = len(answers)
+    # ONE batched no-grad forward: log p of every answer token, full_traj rows then mem_traj rows, zero-padded
+    logps = answer_logprobs(model, full_traj + mem_traj, answers + answers, pad_id, token_budget) if N else []
     A = max((len(a) for a in answers), default=0)
     logp = torch.zeros(2 * N, A)                                                   # (2N, A)
     words = torch.zeros(N, A, dtype=torch.long)                                    # (N, A) gold word numbers
     for r, lp in enumerate(logps):
         logp[r, :len(lp)] = lp
-    for r, (i, _) in enumerate(scored):
-        words[r, :len(templates[i][1])] = torch.tensor(templates[i][1], dtype=torch.long)
+    for r, mask in enumerate(ans_masks):
+        words[r, :len(mask)] = torch.tensor(mask, dtype=torch.long)
 
-    # 4. per gold WORD (sum of its tokens' log-probs), so confidence means "the whole name"; P per side
+    # per gold WORD (sum of its tokens' log-probs), so confidence means "the whole name"; P per side
     logp_full, ans_mask = word_logprobs(logp[:N], words)                           # (N, W)
     logp_mem, _ = word_logprobs(logp[N:], words)
     log_thr = math.log(threshold) if threshold > 0 else -math.inf
@@ -334,28 +302,49 @@ def memory_rewards(model, tokenizer, trajs: list[Trajectory], threshold: float =
     conf_mem = conf_full if mask_mode == "full" else logp_mem > log_thr
     p_full = answer_prob(logp_full, ans_mask, conf_mask=conf_full)                 # (N,)
     p_mem = answer_prob(logp_mem, ans_mask, conf_mask=conf_mem)
-    n_full, n_mem = (ans_mask & conf_full).sum(-1), (ans_mask & conf_mem).sum(-1)
+    return {"mem_reward": p_mem - p_full, "p_mem": p_mem, "p_full": p_full,
+            "n_mem": (ans_mask & conf_mem).sum(-1), "n_full": (ans_mask & conf_full).sum(-1),
+            "word_logp_mem": logp_mem, "word_logp_full": logp_full}
 
-    # 5. mem_reward = P_mem - P_full, capped at 0 for a memory the gate finds ungrounded
+
+def memory_rewards(model, tokenizer, trajs: list, threshold: float = THRESHOLD, mask_mode: str = MEM_MASK,
+                   think: str = PROBE_THINK, token_budget: int = 8192) -> dict:
+    """``p_mem_minus_p_full`` of every round >= 2 with a <mem> span of ``trajs`` (rollout.Trajectory's fields).
+
+    Reads ``tr.golds``, ``tr.prompt_ids`` (system + question + generation prompt) and, per round,
+    ``context_ids`` (full_traj), ``round_ids`` and ``mem_end`` (its leading ``<mem>...</mem>`` tokens, 0 = none).
+    Returns one dict: ``rewards[i]`` / ``rounds[i]`` (trajectory i's rewards and their round indices),
+    ``scored`` (the N (i, t) pairs in the order of every per-round value), ``p_mem`` / ``p_full`` and
+    ``mask_mem`` / ``mask_full`` (N,) (P and its count of confident gold words), ``word_logp_mem`` /
+    ``word_logp_full`` (N, W), ``n`` = N, ``empty_frac`` and ``no_signal_frac`` (the share of rounds with a
+    probe, or both, confident on no gold word).
+    """
+    # the rounds scored: t >= 2 (index >= 1) whose <mem> span closed
+    scored = [(i, t) for i, tr in enumerate(trajs) for t, r in enumerate(tr.rounds) if t >= 1 and r.mem_end > 0]
+    N = len(scored)
+    templates = {i: answer_template(tokenizer, trajs[i].golds, think) for i, _ in scored}
+    full_traj, mem_traj = [], []
+    for i, t in scored:
+        rnd = trajs[i].rounds[t]
+        full_traj.append(rnd.context_ids)
+        # memory.mem_traj written out (this file imports nothing of the project): prompt + round cut after </mem>
+        mem_traj.append(list(trajs[i].prompt_ids) + list(rnd.round_ids[:rnd.mem_end]))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    out = p_mem_minus_p_full(model, full_traj, mem_traj, [templates[i][0] for i, _ in scored],
+                             [templates[i][1] for i, _ in scored], pad_id, threshold, mask_mode, token_budget)
+
     rewards: list[list[float]] = [[] for _ in trajs]
     rounds: list[list[int]] = [[] for _ in trajs]
-    ungrounded = 0
     for r, (i, t) in enumerate(scored):
-        reward = float(p_mem[r] - p_full[r])
-        if gate:
-            tr = trajs[i]
-            tools = [rec.text for rec in tr.records if rec.type in ("search_results", "webpage")][:t]
-            if not mem_grounded(extract_mem(tr.rounds[t].text) or "", [tr.question] + tools):
-                reward = min(reward, 0.0)
-                ungrounded += 1
-        rewards[i].append(reward)
+        rewards[i].append(float(out["mem_reward"][r]))
         rounds[i].append(t)
-
-    # 6. one result. empty_frac: a probe with no confident answer word on either side; with separate masks
-    # that includes a dropped answer (P_full confident, P_mem empty: a strong negative reward).
-    # no_signal_frac: NEITHER probe is confident, the only rounds whose reward is 0 by construction
+    # empty_frac: a probe with no confident answer word on either side; with separate masks that includes a
+    # dropped answer (P_full confident, P_mem empty: a strong negative reward). no_signal_frac: NEITHER probe
+    # is confident, the only rounds whose reward is 0 by construction
+    n_full, n_mem = out["n_full"], out["n_mem"]
     share = lambda flags: float(flags.float().mean()) if N else 0.0
-    return {"rewards": rewards, "rounds": rounds, "scored": scored, "n": N, "ungrounded": ungrounded,
-            "p_mem": p_mem.tolist(), "p_full": p_full.tolist(), "mask_mem": n_mem.tolist(),
-            "mask_full": n_full.tolist(), "word_logp_full": logp_full, "word_logp_mem": logp_mem,
+    return {"rewards": rewards, "rounds": rounds, "scored": scored, "n": N,
+            "p_mem": out["p_mem"].tolist(), "p_full": out["p_full"].tolist(), "mask_mem": n_mem.tolist(),
+            "mask_full": n_full.tolist(), "word_logp_full": out["word_logp_full"],
+            "word_logp_mem": out["word_logp_mem"],
             "empty_frac": share((n_full == 0) | (n_mem == 0)), "no_signal_frac": share((n_full == 0) & (n_mem == 0))}

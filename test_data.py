@@ -6,6 +6,8 @@ import pytest
 
 import data
 from memory import extract_mem
+from rollout import AgentConfig
+from search import SearchTool
 
 
 def test_world_relations_are_permutations_and_docs_match_facts():
@@ -130,3 +132,17 @@ def test_context_answers_snail_and_full_on_a_forgetting_episode():
     assert [data.context_answers(task3, ep3, t) for t in range(4)] == [
         f"{u} ; {u} ; {u}", f"{b1} ; {u} ; {u}", f"{b1} ; {b2} ; {u}", f"{u} ; {b2} ; {b3}"]
     assert data.context_answers(task3, ep3, 3, "full") == f"{b1} ; {b2} ; {b3}"
+
+
+def test_early_answer_counts_searches_against_the_question_s_hops(expert_rollout):
+    w, tasks = data.make_tasks(4, 4, [2], (1, 3))
+    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=12, max_new_tokens=60, temperature=0.0)
+    trajs, _ = expert_rollout(tasks, SearchTool(w.docs), cfg)
+    assert [data.early_answer(t) for t in trajs] == [0.0] * 4          # the expert searches once per hop
+    t = trajs[0]
+    t.rounds = t.rounds[:1] + t.rounds[-1:]                            # one search, then the answer
+    assert data.early_answer(t) == 1.0
+    t.rounds = t.rounds[:1]                                            # no answer at all: not early
+    assert data.early_answer(t) == 0.0
+    t.question = "who founded the city?"                               # a real question: hops unknown
+    assert data.early_answer(t) is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import data
-from diagnostics import first_update, memory_diagnostics
+from diagnostics import first_update, mem_grounded, memory_diagnostics
 from eval import summarize
 from memory import Record, tool_record
 from rollout import AgentConfig, Round, Trajectory, parse_action
@@ -77,6 +77,13 @@ def test_invented_memory_is_unfaithful():
     d = memory_diagnostics([traj], tasks)
     assert 0 < d["faithfulness"] < 1.0
     json.dumps(d)
+
+
+def test_mem_grounded_counts_only_words_a_source_holds():
+    sources = ["1 : bobi friend ?", "<information> d1 bobi friend tugu | d2 gonu friend bobi </information>"]
+    assert mem_grounded("1 = bobi friend tugu", sources)
+    assert not mem_grounded("1 = bobi friend tugu ; 2 = zzzz", sources)     # an invented word
+    assert mem_grounded("", sources)
 
 
 def real_replay(tok, task, tool, gid):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from grpo import (filter_groups, grouped_advantage, memory_advantage, memory_pool_stds, memory_pool_weights, policy_loss,
+from grpo import (filter_groups, grouped_advantage, memory_advantage, memory_pool_weights, policy_loss,
                   token_advantages, token_logprobs)
 
 
@@ -90,17 +90,21 @@ def test_memory_norm_round_pools_by_round_index_not_position():
     assert out[1][1] == 0.0
 
 
-def test_memory_pool_stds_are_the_pools_unbiased_stds():
+def test_memory_pool_weights_give_the_pools_unbiased_stds():
     rewards, gids, rounds = [[0.1, 0.9], [0.3, 0.5, 0.2], [0.0, 4.0]], [0, 0, 1], [[1, 3], [1, 2, 3], [1, 2]]
     pool0 = [0.1, 0.9, 0.3, 0.5, 0.2]
     m = sum(pool0) / 5
     s0 = math.sqrt(sum((v - m) ** 2 for v in pool0) / 4)
-    assert memory_pool_stds(rewards, gids, rounds, "std") == pytest.approx([s0, math.sqrt(8.0)])
+
+    def stds(norm, r=rewards, g=gids, k=rounds):
+        adv = memory_advantage(r, g, k, norm=norm)
+        return [s for s, _ in memory_pool_weights(r, adv, g, k, norm)]
+    assert stds("std") == pytest.approx([s0, math.sqrt(8.0)])
     # round pools with >= 2 rewards: group 0 rounds 1 and 3; group 1 has one reward per round
-    assert sorted(memory_pool_stds(rewards, gids, rounds, "round")) == pytest.approx([math.sqrt(0.02), math.sqrt(0.245)])
+    assert sorted(stds("round")) == pytest.approx([math.sqrt(0.02), math.sqrt(0.245)])
     # nonzero drops the 0.0: group 1's pool is {4.0} alone, so only group 0 counts
-    assert memory_pool_stds(rewards, gids, rounds, "nonzero") == pytest.approx([s0])
-    assert memory_pool_stds([[0.5]], [0]) == []
+    assert stds("nonzero") == pytest.approx([s0])
+    assert stds("std", [[0.5]], [0], None) == []
 
 
 def test_memory_norm_nonzero():

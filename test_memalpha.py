@@ -2,6 +2,7 @@
 evaluation and baselines, SFT rows, kill and resume. Its memory and task: test_memalpha_memory.py,
 test_memalpha_data.py."""
 import copy
+import dataclasses
 import json
 import shutil
 
@@ -124,8 +125,8 @@ def test_loop_batched_equals_each_instance_alone_and_contexts_are_fresh():
 
 def test_one_memalpha_step_changes_weights():
     tok = bpe()
-    cfg = memalpha.MemAlphaConfig(chunks=2, questions_per_instance=2, instances=1, group=4, max_new_tokens=192)
-    inst = memalpha.memalpha_instances(cfg, 11, 1, 0)
+    cfg = memalpha.MemAlphaConfig(questions_per_instance=2, instances=1, group=4, max_new_tokens=192)
+    inst = memalpha.memalpha_instances(cfg, 11, 1, 0, 2)
     rows = memalpha.memalpha_expert_samples(tok, inst[0])[:2]          # the writer's two chunk rows
     assert tok.decode(rows[0].ids[rows[0].n_prompt:], skip_special_tokens=True).startswith("<tool_call>{")
     torch.manual_seed(0)
@@ -147,13 +148,70 @@ def test_one_memalpha_step_changes_weights():
 
 def test_equal_rewards_give_no_update():
     tok = bpe()
-    cfg = memalpha.MemAlphaConfig(chunks=2, questions_per_instance=2, instances=1, group=2, max_new_tokens=8)
+    cfg = memalpha.MemAlphaConfig(questions_per_instance=2, instances=1, group=2, max_new_tokens=8)
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)   # never writes a call
     before = copy.deepcopy(model.state_dict())
     m = memalpha.memalpha_step(model, model, tok, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg, 0,
-                            instances=memalpha.memalpha_instances(cfg, 11, 1, 0))
+                            instances=memalpha.memalpha_instances(cfg, 11, 1, 0, 2))
     assert m["skipped"] == "all advantages are zero" and m["reward"] == pytest.approx(0.05)
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
+
+
+def _spy(monkeypatch, name: str) -> list:
+    """(arguments, result) of every call of ``memalpha.<name>``, in order; the function still runs."""
+    seen, real = [], getattr(memalpha, name)
+
+    def spy(*args, **kw):
+        seen.append((args, real(*args, **kw)))
+        return seen[-1][1]
+    monkeypatch.setattr(memalpha, name, spy)
+    return seen
+
+
+def test_sft_instances_have_sft_chunks(monkeypatch):
+    tok = memalpha_data.build_memalpha_tokenizer()
+    seen = _spy(monkeypatch, "memalpha_instances")
+    cfg = memalpha.MemAlphaConfig(sft_batch=6, sft_copy_steps=1, sft_chunks=7, rl_chunks="2-3")
+    for step in (0, 1):                                 # a copy step, then a step of every row kind
+        assert len(memalpha.memalpha_sft_batch(tok, cfg, step)) == 6
+    assert [len(i.chunks) for _, insts in seen for i in insts] == [7] * 12
+    assert (memalpha.MemAlphaConfig().sft_chunks, memalpha.MemAlphaConfig().rl_chunks) == (4, "4")   # today's
+
+
+def test_rl_instances_draw_their_chunk_counts_from_rl_chunks(monkeypatch):
+    cfg = memalpha.MemAlphaConfig(rl_chunks="2-4", sft_chunks=9, instances=6)
+    draws = [memalpha.rl_chunk_counts(cfg, step) for step in range(12)]
+    assert all(len(d) == 6 and set(d) <= {2, 3, 4} for d in draws) and set(sum(draws, [])) == {2, 3, 4}
+    assert draws[3] == memalpha.rl_chunk_counts(cfg, 3)                         # fixed by seed and step
+    assert set(memalpha.rl_chunk_counts(dataclasses.replace(cfg, rl_chunks="3,5"), 0)) <= {3, 5}
+    one = memalpha.MemAlphaConfig()                 # the default: every instance has 4, the stream of before
+    assert memalpha.rl_chunk_counts(one, 0) == [4] * one.instances
+    assert [c.text for i in memalpha.memalpha_instances(one, 5, 8, 1, memalpha.rl_chunk_counts(one, 0))
+            for c in i.chunks] == [c.text for i in memalpha.memalpha_instances(one, 5, 8, 1, 4) for c in i.chunks]
+    # a real GRPO step builds its instances with the step's counts, and each rollout runs every chunk
+    tok = bpe()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)
+    small = dataclasses.replace(cfg, instances=3, group=2, max_new_tokens=6, questions_per_instance=2)
+    counts = memalpha.rl_chunk_counts(small, 1)
+    assert len(set(counts)) > 1                                                 # the step mixes counts
+    seen = _spy(monkeypatch, "memalpha_rollout")
+    m = memalpha.memalpha_step(model, model, tok, torch.optim.AdamW(model.parameters(), lr=1e-3), small, 1)
+    ((_, _, insts, *_), rolls), = seen
+    assert [len(i.chunks) for i in insts] == counts
+    assert [len(r.steps) for r in rolls] == [n for n in counts for _ in range(2)]
+    assert m["chunks"] == pytest.approx(sum(counts) / 3)
+
+
+def test_chunk_flags_parse_and_a_count_the_world_cannot_fill_stops(capsys):
+    cfg = memalpha.parse_args(["--sft-chunks", "4", "--rl-chunks", "4-8"])
+    assert (cfg.sft_chunks, cfg.rl_chunks) == (4, "4-8")
+    assert memalpha.parse_args(["--rl-chunks", "72"]).rl_chunks == "72"       # 72 x 2 facts: the whole world
+    for argv, start in ((["--sft-chunks", "73"], "--sft-chunks 73: "), (["--rl-chunks", "4-80"], "--rl-chunks 4-80: "),
+                        (["--rl-chunks", "30", "--facts-per-chunk", "5"], "--rl-chunks 30: ")):
+        with pytest.raises(SystemExit) as stop:
+            memalpha.parse_args(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith("error: " + start) and err.count("\n") == 1, err
 
 
 # --------------------------------------------------------------------------- evaluation and baselines
@@ -191,6 +249,10 @@ def test_evaluate_memalpha_runs_all_three_methods():
     count = lambda s: len(tok.encode(s))
     assert res["rag_top2"]["memory_tokens"] == sum(count(c.text) for i in insts for c in i.chunks) / 2
     assert res["memalpha"]["memory_tokens"] == 0 and res["memalpha"]["tool_success"] == 0.0   # never calls
+    mem = res["memalpha"]                               # so no call succeeds nor is judged, and nothing is kept
+    assert (mem["r2"], mem["r3"], mem["r4"], mem["over_budget"]) == (0.0, 1.0, 0.0, 0.0)
+    assert mem["r1"] == pytest.approx(sum(r1_accuracy(model, tok, [StructuredMemory() for _ in insts],
+                                                      [i.questions for i in insts])) / 2)   # training's r1
     with_ceiling = memalpha_eval.evaluate_memalpha(model, model, tok, insts, max_new_tokens=8, scripted=True)
     assert {m: r["accuracy"] for m, r in with_ceiling.items() if m != "scripted"} == \
         {m: r["accuracy"] for m, r in res.items()}
@@ -204,9 +266,37 @@ def test_evaluate_memalpha_runs_all_three_methods():
     assert with_ceiling["scripted"]["questions"] == n_q
 
 
+def test_eval_reports_every_chunk_count_it_was_asked(tmp_path, capsys):
+    tok = memalpha_data.build_memalpha_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)
+    for d in ("final", "sft"):
+        model.save_pretrained(tmp_path / d)
+        tok.save_pretrained(tmp_path / d)
+    argv = ["--checkpoint", str(tmp_path), "--instances", "2", "--max-new-tokens", "4", "--device", "cpu"]
+    memalpha_eval.main(argv + ["--chunks", "2", "5"])
+    out = capsys.readouterr().out.splitlines()
+    res = json.loads(out[-1])["by_chunks"]
+    assert list(res) == ["2", "5"] and set(json.loads(out[-1])["sec"]) == {"2", "5"}
+    assert [x.split(",")[0] for x in out if x.startswith("chunks ")] == ["chunks 2: 2 instances",
+                                                                         "chunks 5: 2 instances"]
+    count = lambda s: len(tok.encode(s, add_special_tokens=False))
+    for n, r in res.items():
+        insts = memalpha_data.make_memalpha_instances(data.SPLIT_SEEDS["test"], 2, n_chunks=int(n))
+        assert all(len(i.chunks) == int(n) for i in insts)
+        assert set(r) == {"memalpha", "long_context", "rag_top2", "scripted"}
+        assert all(v["questions"] == sum(len(i.questions) for i in insts) for v in r.values())
+        assert r["memalpha"]["input_tokens"] == r["rag_top2"]["memory_tokens"] == \
+            sum(count(c.text) for i in insts for c in i.chunks) / 2                # these instances, at this count
+        assert {"r1", "r2", "r3", "r4", "over_budget"} <= set(r["memalpha"])
+    assert res["5"]["scripted"]["memory_tokens"] > res["2"]["scripted"]["memory_tokens"]
+    with pytest.raises(SystemExit):                     # more chunks than a world has facts: stops before loading
+        memalpha_eval.main(argv + ["--chunks", "4", "73"])
+    assert capsys.readouterr().err == "error: --chunks 73: a world holds 72 chunks of 2 new facts (must be <= 72)\n"
+
+
 def test_sft_batches_copy_phase_then_all_rows():
     tok = bpe()
-    cfg = memalpha.MemAlphaConfig(sft_batch=8, sft_copy_steps=2, chunks=3)
+    cfg = memalpha.MemAlphaConfig(sft_batch=8, sft_copy_steps=2, sft_chunks=3)
     copy_rows = memalpha.memalpha_sft_batch(tok, cfg, 1)
     assert len(copy_rows) == 8
     for r in copy_rows:                               # first chunks only: empty memory, a writer target
@@ -222,9 +312,9 @@ def test_sft_batches_copy_phase_then_all_rows():
 # --------------------------------------------------------------------------- checkpoint / resume
 
 def _tiny_run(path, **kw) -> "memalpha.MemAlphaConfig":
-    return memalpha.MemAlphaConfig(run=str(path), device="cpu", hidden=32, layers=1, heads=2, ffn=64, chunks=2,
-                                questions_per_instance=2, sft_steps=4, sft_copy_steps=1, sft_batch=4, rl_steps=3,
-                                instances=1, group=2, max_new_tokens=48, ckpt_every=2, **kw)
+    return memalpha.MemAlphaConfig(run=str(path), device="cpu", hidden=32, layers=1, heads=2, ffn=64, sft_chunks=2,
+                                   rl_chunks="2", questions_per_instance=2, sft_steps=4, sft_copy_steps=1, sft_batch=4,
+                                   rl_steps=3, instances=1, group=2, max_new_tokens=48, ckpt_every=2, **kw)
 
 
 def _weights(path) -> dict:
@@ -236,7 +326,7 @@ def _overfit_start(path) -> None:
     two scripted rows so that its rollouts make calls and GRPO steps really update."""
     tok = memalpha_data.build_memalpha_tokenizer()
     cfg = _tiny_run(path)
-    rows = memalpha.memalpha_expert_samples(tok, memalpha.memalpha_instances(cfg, 11, 1, 0)[0])[:2]
+    rows = memalpha.memalpha_expert_samples(tok, memalpha.memalpha_instances(cfg, 11, 1, 0, 2)[0])[:2]
     torch.manual_seed(0)
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -39,6 +39,23 @@ def test_instances_deterministic_dated_and_with_change_questions():
         assert any(q.startswith("when ") for q, _ in inst.questions)
 
 
+def test_chunk_counts_per_instance_and_no_more_chunks_than_the_world_has_facts():
+    a = memalpha_data.make_memalpha_instances(3, 3, seed=1, n_chunks=[2, 6, 4])
+    assert [len(i.chunks) for i in a] == [2, 6, 4]
+    text = lambda insts: [c.text for i in insts for c in i.chunks]
+    assert text(memalpha_data.make_memalpha_instances(3, 3, seed=1, n_chunks=[4] * 3)) == \
+        text(memalpha_data.make_memalpha_instances(3, 3, seed=1, n_chunks=4))          # one count, as before
+    most = memalpha_data.max_chunks(2)
+    assert most == data.N_ENTITIES * len(data.RELATIONS) // 2 == 72
+    full = memalpha_data.make_memalpha_instances(3, 1, n_chunks=most)[0]            # every fact of the world, once
+    facts = [r[1:3] for c in full.chunks for r in c.reports if r[0] == "fact"]
+    assert len(facts) == len(set(facts)) == 144
+    with pytest.raises(ValueError, match="73 chunks x 2 new facts each need 146 facts, the world holds 144"):
+        memalpha_data.make_memalpha_instances(3, 1, n_chunks=most + 1)
+    with pytest.raises(ValueError, match="2 chunk counts for 3 instances"):
+        memalpha_data.make_memalpha_instances(3, 3, n_chunks=[4, 4])
+
+
 def test_hand_made_chunk_and_writer_calls():
     chunk = memalpha_data.Chunk("day 4 : kalo boss mira .", 4, [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")])
     mem = StructuredMemory(seed=0)

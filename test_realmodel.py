@@ -20,10 +20,10 @@ import eval as ev
 import grpo
 import sft
 import train
+from engine import generate, left_pad, stop_strings
 from memory import mem_token_end
 from reward import answer_template
-from rollout import (AgentConfig, PROTOCOL_PROMPT, checkpoint_prompt, generate, left_pad,
-                     parse_action, rollout, run_episodes, stop_strings)
+from rollout import AgentConfig, PROTOCOL_PROMPT, STOP_STRINGS, checkpoint_prompt, parse_action, rollout, run_episodes
 from search import SearchTool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -113,7 +113,7 @@ class Scripted(torch.nn.Module):
 def scripted_generate(model, tok, prompts, scripts):
     assert all(abs(len(a) - len(b)) > 64 for i, a in enumerate(prompts) for b in prompts[i + 1:])
     m = Scripted(model, [len(p) for p in prompts], scripts)
-    return generate(m, prompts, 40, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, stops=stop_strings(tok),
+    return generate(m, prompts, 40, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, stops=stop_strings(tok, STOP_STRINGS),
                     temperature=0.0)
 
 

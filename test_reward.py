@@ -305,23 +305,6 @@ def test_memory_reward_sign(tok, copy_model):
         assert not any(math.isnan(v) for v in values)
 
 
-def test_memory_reward_gate_takes_positive_credit_from_invented_memories_only(tok, copy_model):
-    from memory import tool_record
-    x = NAMES[5]
-    lost, kept = _trajectory(tok, x, ["1 : friend"]), _trajectory(tok, x, [f"1 : friend {x}"])
-    plain = memory_rewards(copy_model, tok, [lost, kept])
-    (r_lost,), (r_kept,) = plain["rewards"]
-    assert r_lost < 0 < r_kept and plain["ungrounded"] == 0
-    # no tool result in the records: x appears in no source, so the kept memory is "invented"
-    gated = memory_rewards(copy_model, tok, [lost, kept], gate=True)
-    assert gated["rewards"] == [[r_lost], [0.0]] and gated["ungrounded"] == 1
-    assert gated["p_mem"] == plain["p_mem"] and gated["p_full"] == plain["p_full"]
-    # a round-1 search result that shows x grounds it: the credit comes back
-    kept.records = [tool_record("search_results", f"<information> d2 {x} friend </information>")]
-    regated = memory_rewards(copy_model, tok, [lost, kept], gate=True)
-    assert regated["rewards"] == [[r_lost], [r_kept]] and regated["ungrounded"] == 0
-
-
 def test_memory_reward_rounds_and_nothing_to_score(tok):
     class NoForward(torch.nn.Module):
         def forward(self, *args, **kwargs):
@@ -331,8 +314,7 @@ def test_memory_reward_rounds_and_nothing_to_score(tok):
     out = memory_rewards(NoForward(), tok, [skip, _trajectory(tok, x, [])])
     logps = {k: out.pop(k) for k in ("word_logp_full", "word_logp_mem")}
     assert out == {"rewards": [[], []], "rounds": [[], []], "scored": [], "p_mem": [], "p_full": [],
-                   "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "no_signal_frac": 0.0, "n": 0,
-                   "ungrounded": 0}
+                   "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "no_signal_frac": 0.0, "n": 0}
     assert all(lp.shape == (0, 0) for lp in logps.values())          # the same keys as when rounds are scored
     assert memory_rewards(NoForward(), tok, [])["rewards"] == []
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
@@ -342,14 +324,6 @@ def test_memory_reward_rounds_and_nothing_to_score(tok):
     out = memory_rewards(model, tok, [skip, mixed], token_budget=50)
     assert out["rounds"] == [[], [1, 3, 4]] and out["n"] == 3 and len(out["rewards"][1]) == 3
     assert all(r == pytest.approx(m - f) for r, m, f in zip(out["rewards"][1], out["p_mem"], out["p_full"]))
-
-
-def test_mem_grounded_gate():
-    from reward import mem_grounded
-    sources = ["1 : bobi friend ?", "<information> d1 bobi friend tugu | d2 gonu friend bobi </information>"]
-    assert mem_grounded("1 = bobi friend tugu", sources)
-    assert not mem_grounded("1 = bobi friend tugu ; 2 = zzzz", sources)     # an invented word
-    assert mem_grounded("", sources)
 
 
 def test_answer_logprobs_buckets_two_length_profiles_with_the_same_numbers(tok):

@@ -26,11 +26,11 @@ import rollout
 import sft
 import train
 from conftest import ExpertTape
+from engine import generate, left_pad, stop_strings
 from grpo import collate
 from memory import mem_token_end
 from reward import answer_template, outcome_reward
-from rollout import (PROTOCOL_PROMPT, AgentConfig, encode_chat, generate, left_pad, parse_action,
-                     stop_strings)
+from rollout import PROTOCOL_PROMPT, STOP_STRINGS, AgentConfig, encode_chat, parse_action
 from search import SearchTool
 
 CPU = torch.device("cpu")
@@ -179,7 +179,7 @@ def test_a_round_ends_at_the_closing_tag_however_it_is_split(smol, split):
     tape = head + tail + ids(tok, " and more text after the tag")
     prompt = encode_chat(tok, [{"role": "user", "content": "q"}])
     out = generate(ExpertTape(model, tape), [prompt], 40, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
-                   stops=stop_strings(tok), temperature=0.0)[0]
+                   stops=stop_strings(tok, STOP_STRINGS), temperature=0.0)[0]
     assert out == head + tail                                      # ends at the token completing the tag
     assert parse_action(tok.decode(out)) == (kind, "kalo friend")
 

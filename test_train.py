@@ -339,20 +339,6 @@ def test_a_default_rl_run_at_kl_coef_0_holds_one_model(tmp_path, monkeypatch):
     assert len(loads) == 1 and (tmp_path / "logged" / "ref").exists()
 
 
-def test_early_answer_counts_searches_against_the_question_s_hops(expert_rollout):
-    w, tasks = data.make_tasks(4, 4, [2], (1, 3))
-    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=12, max_new_tokens=60, temperature=0.0)
-    trajs, _ = expert_rollout(tasks, SearchTool(w.docs), cfg)
-    assert [reward.early_answer(t) for t in trajs] == [0.0] * 4        # the expert searches once per hop
-    t = trajs[0]
-    t.rounds = t.rounds[:1] + t.rounds[-1:]                            # one search, then the answer
-    assert reward.early_answer(t) == 1.0
-    t.rounds = t.rounds[:1]                                            # no answer at all: not early
-    assert reward.early_answer(t) == 0.0
-    t.question = "who founded the city?"                               # a real question: hops unknown
-    assert reward.early_answer(t) is None
-
-
 def test_group_stats_and_zero_variance_metrics():
     """Hand-computed: group 0 scores [1, 1] (no outcome signal) with memory rewards that differ, group 1
     [0, 0] with equal memory rewards, group 2 [1, 0]; K = 2, 2, 3, 3, 1, 1."""

@@ -38,7 +38,7 @@ from flags import FlagParser, flag
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_weights, micro_batches,
                   policy_loss, token_advantages, token_logprobs)
 from models import LORA_TARGETS, autocast, is_lora, load_pretrained
-from reward import MEM_MASK, PROBE_THINK, THRESHOLD, early_answer, memory_rewards, outcome_reward
+from reward import MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
 from search import SearchTool, open_search
 from sft import cold_start, held_out_f1
@@ -131,7 +131,6 @@ class Config:
     mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens", min=0)
     mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
                                      "whose rewards differ by a hair gets unit-variance advantages)", min=0)
-    mem_gate: bool = flag(False, "faithfulness gate: a <mem> with invented words earns no positive memory reward")
     probe_think: str = flag("auto", "think word of the memory reward's answer template: auto = the probe marker "
                                     "where SFT probe rows teach it (this run's SFT, the embedded model), else the one "
                                     "the checkpoint learnt (its probe_think.txt), else 'answer' (no marker)")
@@ -226,15 +225,15 @@ class Config:
 
 
 # the memory reward's flags: --algo grpo reads none of them
-MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_floor", "mem_gate",
-              "probe_think")
+MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_floor", "probe_think")
 
 
 def parse_args(argv=None, config=Config):
     """Command line -> ``config`` (train.Config, or a recipe's subclass of it): one ``--flag`` per field, its
     help, what it accepts and its ``--help`` group from the field; a bool gets ``--flag / --no-flag`` whatever its
-    default, so a command naming either form runs as written. A value a flag does not accept, or flags that together leave nothing to
-    learn (``conflicts``), stop here with one line and exit status 2; a flag set for nothing gets one warning line."""
+    default, so a command naming either form runs as written. A value a flag does not accept, or flags that
+    together leave nothing to learn (``conflicts``), stop here with one line and exit status 2; a flag set for
+    nothing gets one warning line."""
     p = FlagParser(description=(config.__doc__ or __doc__).split("\n")[0])
     base, group = {f.name: f for f in fields(Config)}, None
     for f in fields(config):
@@ -330,7 +329,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         if cfg.algo == "mempo":
             with autocast(cfg.precision, model.device):
                 mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
-                                     think=cfg.probe_think, gate=cfg.mem_gate)
+                                     think=cfg.probe_think)
             mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm,
                                        std_floor=cfg.mem_std_floor)
         m["sec_reward"] = time.time() - t0
@@ -456,14 +455,14 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
     """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
          "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
-         "early": [e for e in (early_answer(t) for t in trajs) if e is not None],
+         "early": [e for e in (data.early_answer(t) for t in trajs) if e is not None],
          "k": [len(t.golds) for t in trajs],
          "groups": group_stats(outs, mem, group_ids, [len(t.golds) for t in trajs])}
     if mem is not None:
         # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
         v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
               "mask_mem": mem["mask_mem"], "mask_full": mem["mask_full"], "empty": [mem["empty_frac"] * mem["n"]],
-              "no_signal": [mem["no_signal_frac"] * mem["n"]], "ungrounded": [mem["ungrounded"]]}
+              "no_signal": [mem["no_signal_frac"] * mem["n"]]}
         # each pool's (std, sum |A_M|): the stds the advantages are divided by, and where their magnitude goes
         pool_w = memory_pool_weights(mem["rewards"], mem_adv, group_ids, mem["rounds"], cfg.mem_adv_norm)
         no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
@@ -512,7 +511,7 @@ def step_metrics(v: dict[str, list]) -> dict:
         m.update(mem_reward=mean(flat), p_mem=mean(v["p_mem"]), p_full=mean(v["p_full"]),
                  mask_mem=mean(v["mask_mem"]), mask_full=mean(v["mask_full"]),
                  empty_frac=n_empty / len(flat) if flat else 0.0, no_signal_frac=n_none / len(flat) if flat else 0.0,
-                 mem_rounds=len(flat), ungrounded=sum(v["ungrounded"]), pool_std=mean(v["pool_std"]))
+                 mem_rounds=len(flat), pool_std=mean(v["pool_std"]))
     if "pool_w" in v:                   # where the memory advantage's magnitude goes
         stds, total = sorted(s for s, _ in v["pool_w"]) or [0.0], sum(w for _, w in v["pool_w"]) or 1.0
         m["pool_std_p10"], m["pool_std_p50"] = stds[len(stds) // 10], stds[len(stds) // 2]

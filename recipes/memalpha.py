@@ -1,12 +1,13 @@
 """Mem-alpha: learn to build a core / semantic / episodic memory with tool calls.
 
-    SFT   rows of two kinds, mixed in every batch: writer rows (the scripted writer's tool calls for
-          one chunk, in the fresh context the loop shows: ``writer_messages``) and answerer
-          rows (core + BM25 top-k of each store of the writer's FINAL memory + question -> the
-          answer that memory supports, ``memory_answer``). ``--flaw-p`` of the instances have
+    SFT   rows of two kinds from instances of ``--sft-chunks`` chunks, mixed in every batch: writer
+          rows (the scripted writer's tool calls for one chunk, in the fresh context the loop shows:
+          ``writer_messages``) and answerer rows (core + BM25 top-k of each store of the writer's FINAL
+          memory + question -> the answer that memory supports, ``memory_answer``). ``--flaw-p`` of the instances have
           the never-revising writer, so the cold-started writer has headroom on changed facts.
     r1's answerer = a frozen copy of the cold-started model (or ``--answerer PATH``).
-    GRPO  per step: ``--instances`` fresh instances x ``--group`` rollouts (``memalpha_rollout``);
+    GRPO  per step: ``--instances`` fresh instances x ``--group`` rollouts (``memalpha_rollout``), each instance
+          of a chunk count drawn from ``--rl-chunks`` (``rl_chunk_counts``);
           reward per chunk step r1 + r2 + beta r3 + gamma r4 (``memalpha_rewards``); ONE group =
           every chunk step of every rollout of an instance, std-normalised (``grpo.grouped_advantage``);
           every chunk step is a training row (context + output, loss on output) for the shared ``ppo_update``.
@@ -22,7 +23,7 @@ the generation ends at EOS (``<|im_end|>``) or ``--max-new-tokens``; no KL by de
 
     python -m recipes.memalpha --run runs/memalpha          # then: python -m recipes.memalpha_eval --checkpoint runs/memalpha
 
-Built from the shared pieces: the engine (``rollout.generate``), ``grpo.py`` (advantages, rows), ``sft.run_sft``
+Built from the shared pieces: the engine (``engine.generate``), ``grpo.py`` (advantages, rows), ``sft.run_sft``
 and ``train.ppo_update``; checkpoints and ``--resume`` through checkpoint.py. The memory and its tool calls are
 in ``recipes/memalpha_memory.py``, the task, the scripted writer and the tokenizer in ``recipes/memalpha_data.py``,
 the evaluation against the raw-chunk baselines in ``recipes/memalpha_eval.py``.
@@ -58,16 +59,17 @@ import checkpoint
 import data
 import dist
 import train
+from engine import generate
 from flags import flag
 from grpo import Sample, grouped_advantage
 from models import load_model, pick_device
 from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunks_answer, chunks_messages,
-                                   long_context_chunks, make_memalpha_instances, memalpha_texts, memory_answer,
-                                   rag_chunks, writer_calls)
+                                   long_context_chunks, make_memalpha_instances, max_chunks, memalpha_texts,
+                                   memory_answer, rag_chunks, writer_calls)
 from recipes.memalpha_memory import (WRITER_SYSTEM, StructuredMemory, ToolCall, answerer_messages,
                                      execute_tool_calls, parse_tool_calls, writer_messages)
 from reward import em_score
-from rollout import encode_chat, generate
+from rollout import encode_chat
 from sft import cosine_lr, run_sft
 
 
@@ -88,7 +90,11 @@ class MemAlphaConfig(train.Config):
     mem_weight: float = flag(0.0, "unused: no <mem> spans in Mem-alpha (ppo_update reads it)", min=0)
     vocab: int = flag(800, "BPE vocabulary size (--tokenizer bpe)", min=1)
     answerer: str = flag("", "HF path of r1's frozen answerer (default: a frozen copy after SFT)")
-    chunks: int = flag(4, "chunks per instance", min=1)
+    # the chunk horizon: SFT teaches at --sft-chunks, GRPO may reach past it, memalpha_eval --chunks measures
+    # beyond both (the paper trains on inputs up to 30k tokens and evaluates up to 474k)
+    sft_chunks: int = flag(4, "chunks per SFT cold-start instance", min=1)
+    rl_chunks: str = flag("4", "chunks per GRPO instance: A-B or A,B,... (each instance draws its count, uniformly)",
+                          int_range=True)
     facts_per_chunk: int = flag(2, "new facts per chunk", min=1)
     questions_per_instance: int = flag(4, "questions per instance", min=1)
     flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises", min=0, max=1)
@@ -102,6 +108,16 @@ class MemAlphaConfig(train.Config):
     beta: float = flag(0.05, "weight of r3 (compression)", min=0)
     gamma: float = flag(0.1, "weight of r4 (content validity)", min=0)
     ckpt_every: int = flag(100, "steps (SFT or GRPO) between checkpoints in RUN/ckpt (0: only when SFT ends)", min=0)
+
+    def conflicts(self) -> tuple[list[str], list[str]]:
+        """train.Config's, and a chunk count whose new facts the embedded world does not hold."""
+        errors, warnings = super().conflicts()
+        most = max_chunks(self.facts_per_chunk)
+        for name, value in (("sft-chunks", self.sft_chunks), ("rl-chunks", self.rl_chunks)):
+            if max(data.int_range(str(value))) > most:
+                errors.append(f"--{name} {value}: a world holds {most} chunks of --facts-per-chunk "
+                              f"{self.facts_per_chunk} new facts (must be <= {most})")
+        return errors, warnings
 
 
 def parse_args(argv=None) -> MemAlphaConfig:
@@ -255,10 +271,19 @@ def memalpha_tokenizer(vocab: int = 800, seed: int = 0, kind: str = "bpe"):
     return data.build_bpe_tokenizer(data.world_texts(seed=seed) + memalpha_texts(seed=seed), vocab)
 
 
-def memalpha_instances(cfg: MemAlphaConfig, world_seed: int, n: int, seed: int, flaw_p: float = 0.0):
-    return make_memalpha_instances(world_seed, n, seed=seed, n_chunks=cfg.chunks,
-                                        facts_per_chunk=cfg.facts_per_chunk,
-                                        n_questions=cfg.questions_per_instance, flaw_p=flaw_p)
+def memalpha_instances(cfg: MemAlphaConfig, world_seed: int, n: int, seed: int, n_chunks: int | list[int],
+                       flaw_p: float = 0.0):
+    """``n`` instances of ``n_chunks`` chunks (one count, or one per instance) at the config's task sizes."""
+    return make_memalpha_instances(world_seed, n, seed=seed, n_chunks=n_chunks, facts_per_chunk=cfg.facts_per_chunk,
+                                   n_questions=cfg.questions_per_instance, flaw_p=flaw_p)
+
+
+def rl_chunk_counts(cfg: MemAlphaConfig, step: int) -> list[int]:
+    """GRPO step ``step``'s chunk count per instance, drawn uniformly from ``--rl-chunks`` by a generator of its
+    own, so that a single count leaves the instances' stream as it was."""
+    rng = random.Random(cfg.seed * 5_000_011 + step)
+    counts = data.int_range(cfg.rl_chunks)
+    return [rng.choice(counts) for _ in range(cfg.instances)]
 
 
 def memalpha_expert_samples(tokenizer, inst: MemInstance, k: int = 3, core_limit: int = 512,
@@ -300,7 +325,8 @@ def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample
     chunk into JSON, and a measured 300-step cold start on all rows wrote one constant memory whatever
     the chunk said (see the README's Mem-alpha section)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
-    insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9), cfg.flaw_p)
+    insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9), cfg.sft_chunks,
+                               cfg.flaw_p)
     if step < cfg.sft_copy_steps:
         return [memalpha_expert_samples(tokenizer, MemInstance(inst.chunks[:1], []))[0] for inst in insts]
     rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory,
@@ -312,7 +338,8 @@ def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, st
     """One GRPO step: rollouts -> r1..r4 -> advantages grouped per instance over chunk steps -> ppo_update."""
     if instances is None:
         rng = random.Random(cfg.seed * 7_000_003 + step)
-        instances = memalpha_instances(cfg, rng.randrange(10**9), cfg.instances, rng.randrange(10**9))
+        instances = memalpha_instances(cfg, rng.randrange(10**9), cfg.instances, rng.randrange(10**9),
+                                       rl_chunk_counts(cfg, step))
     gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step)
     t0 = time.time()
     model.eval()
@@ -329,6 +356,7 @@ def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, st
     m.update(reward=mean([x for _, _, x in steps]), r1=mean(rw["r1"]), r3=mean(rw["r3"]),
              r2=mean([x for xs in rw["r2"] for x in xs]), r4=mean([x for xs in rw["r4"] for x in xs]),
              mem_tokens=mean(rw["mem_tokens"]), calls=mean([len(s.calls) for _, s, _ in steps]),
+             chunks=mean([len(inst.chunks) for inst in instances]),
              sec_reward=time.time() - t0)
     samples = [Sample(s.context_ids + s.output_ids, len(s.context_ids), adv_t=float(a))
                for (_, s, _), a in zip(steps, adv) if s.output_ids]

@@ -62,8 +62,8 @@ from rank_bm25 import BM25Plus
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from data import (CHATML_SPECIALS, CHATML_TEMPLATE, RELATIONS, UNKNOWN, DataError, World, make_world, name_pool,
-                  read_jsonl)
+from data import (CHATML_SPECIALS, CHATML_TEMPLATE, N_ENTITIES, RELATIONS, UNKNOWN, DataError, World, make_world,
+                  name_pool, read_jsonl)
 from recipes.memalpha_memory import (ANSWER_SYSTEM, MEMORY_TYPES, TOOL_ARGS, TRUNCATED, WRITER_SYSTEM,
                                      StructuredMemory, tool_call_text)
 from search import bm25_tokens
@@ -91,7 +91,12 @@ class MemInstance:
 def make_memalpha_instance(world: World, rng: random.Random, n_chunks: int = 4, facts_per_chunk: int = 2,
                            events_per_chunk: int = 1, change_p: float = 0.6, end_p: float = 0.3,
                            n_questions: int = 4, flaw_p: float = 0.0) -> MemInstance:
-    """A stream of ``n_chunks`` dated chunks over ``world`` and ``n_questions`` questions about its end state."""
+    """A stream of ``n_chunks`` dated chunks over ``world`` and ``n_questions`` questions about its end state.
+    Each chunk reports ``facts_per_chunk`` facts no earlier chunk reported: more than the world holds is an error."""
+    if n_chunks * facts_per_chunk > len(world.facts):
+        raise ValueError(f"{n_chunks} chunks x {facts_per_chunk} new facts each need {n_chunks * facts_per_chunk} "
+                         f"facts, the world holds {len(world.facts)}: at most {len(world.facts) // facts_per_chunk} "
+                         f"chunks at {facts_per_chunk} facts each")
     keys = rng.sample(sorted(world.facts), n_chunks * facts_per_chunk)
     value: dict[tuple[str, str], str] = {}
     changed: list[tuple[str, str]] = []
@@ -140,11 +145,24 @@ def report_text(report: tuple) -> str:
             "event": f"{s} {r} {o} ."}[kind]
 
 
-def make_memalpha_instances(world_seed: int, n: int, seed: int = 0, **kw) -> list[MemInstance]:
-    """``n`` instances over the world of ``world_seed``; ``kw`` goes to ``make_memalpha_instance``."""
+def make_memalpha_instances(world_seed: int, n: int, seed: int = 0, n_chunks: int | list[int] = 4,
+                            **kw) -> list[MemInstance]:
+    """``n`` instances over the world of ``world_seed``, with ``n_chunks`` chunks each (or ``n_chunks[i]`` for
+    instance i); ``kw`` goes to ``make_memalpha_instance``."""
+    counts = [n_chunks] * n if isinstance(n_chunks, int) else n_chunks
+    if len(counts) != n:
+        raise ValueError(f"{len(counts)} chunk counts for {n} instances")
     world = make_world(world_seed)
     rng = random.Random(seed * 100_003 + world_seed)
-    return [make_memalpha_instance(world, rng, **kw) for _ in range(n)]
+    return [make_memalpha_instance(world, rng, c, **kw) for c in counts]
+
+
+def max_chunks(facts_per_chunk: int = 2) -> int:
+    """The most chunks an instance of the embedded world can have: every world holds one fact per entity and
+    relation (N_ENTITIES x RELATIONS = 144), and each chunk reports ``facts_per_chunk`` new ones. (Past 33
+    chunks a day number can pass 99, the last number the word-level tokenizer has as one token: it is then
+    spelt digit by digit.)"""
+    return N_ENTITIES * len(RELATIONS) // facts_per_chunk
 
 
 def writer_calls(memory, chunk: Chunk, flawed: bool = False) -> str:

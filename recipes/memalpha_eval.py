@@ -1,30 +1,39 @@
 """Mem-alpha's evaluation: the writer (RUN/final) builds a memory per held-out
 instance greedily; the frozen answerer (RUN/sft, the cold-started copy, or ``--answerer``) answers
 from core + BM25 top-k of each store. Reported: accuracy (exact match), memory tokens, tool-call
-success (successful / all calls), r4 validity; on the embedded world also ``scripted``: the same answerer
-reading the scripted (never flawed) writer's memory, the ceiling of what a writer can give it.
+success (successful / all calls), the reward's parts r1..r4 unweighted, each as training computes it (r1
+and r3 per instance, r2 and r4 per chunk step), the input's chunk tokens, and the memory against the
+long-context window's budget: ``over_budget`` = the share of memories with more tokens than
+``--context-tokens`` (a writer past it keeps more than that baseline may read); on the embedded world also
+``scripted``: the same answerer reading the scripted (never flawed) writer's memory, the ceiling of what a
+writer can give it.
 Baselines on the same streams with the same answerer: ``long_context`` (the newest raw chunks that fit
 ``--context-tokens``) and ``rag_top2`` (BM25 top-2 raw chunks for the question). Memory tokens of a
 baseline = what it keeps: the chunks in its window, or every chunk for RAG. The embedded answerer learnt raw-chunk contexts in SFT too
 (``recipes.memalpha.memalpha_raw_rows``), so the three conditions share one answerer.
 
     python -m recipes.memalpha_eval --checkpoint runs/memalpha [--data chunks.jsonl]
+    python -m recipes.memalpha_eval --checkpoint runs/memalpha --chunks 4 8 16     # past the training horizon
 
-One line per method, then one JSON line last.
+``--chunks`` takes several counts: each is its own set of held-out instances over the same test world (the
+paper trains on inputs up to 30k tokens and evaluates up to 474k; here the writer can be measured past the
+chunk count its SFT and GRPO saw). Per count one line per method, then one JSON line last, by count.
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 
 from transformers import AutoTokenizer
 
 from data import SPLIT_SEEDS
 from flags import Accepts, FlagParser
 from models import load_model, pick_device
-from recipes.memalpha import WriterConfig, answer_contexts, memalpha_rollout, r4_validity
+from recipes.memalpha import (WriterConfig, answer_contexts, memalpha_rollout, r2_call_success, r3_compression,
+                              r4_validity)
 from recipes.memalpha_data import (chunks_messages, load_memalpha, long_context_chunks, make_memalpha_instances,
-                                   rag_chunks, writer_calls)
+                                   max_chunks, rag_chunks, writer_calls)
 from recipes.memalpha_memory import StructuredMemory, answerer_messages
 from reward import em_score
 
@@ -38,8 +47,8 @@ def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, 
                                                                           temperature=0.0))
     views = {"memalpha": [], "long_context": [], "rag_top2": []} | ({"scripted": []} if scripted else {})
     kept = {m: [] for m in views}
-    golds = []
-    for r, inst in zip(rolls, instances):
+    golds, owner = [], []                                                # owner: the instance of each question
+    for i, (r, inst) in enumerate(zip(rolls, instances)):
         texts = [c.text for c in inst.chunks]
         window = long_context_chunks(texts, count, context_tokens)
         if scripted:                   # the ceiling: the SFT teacher's memory (never flawed) read by the same answerer
@@ -56,21 +65,30 @@ def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, 
             views["long_context"].append(chunks_messages(window, q))
             views["rag_top2"].append(chunks_messages(rag_chunks(texts, q, 2), q))
             golds.append(g)
+            owner.append(i)
     calls = [res for r in rolls for s in r.steps for res in s.results]
     # inserts whose every word comes from the chunk or is "on" / "day" / its number: copied, not invented
     inserts = [(c.arguments["content"], inst.chunks[j].text) for r, inst in zip(rolls, instances)
                for j, s in enumerate(r.steps) for c in s.calls if c.error is None and c.name == "new_memory_insert"]
     copied = [set(x.split()) <= set(t.split()) | {"on", "day"} for x, t in inserts]
-    out = {}
+    out, right = {}, {}
     for method, msgs in views.items():
         preds = answer_contexts(answerer, tokenizer, msgs)
-        out[method] = {"accuracy": sum(em_score(p, g) for p, g in zip(preds, golds)) / len(golds),
+        right[method] = [em_score(p, g) for p, g in zip(preds, golds)]
+        out[method] = {"accuracy": sum(right[method]) / len(golds),
                        "memory_tokens": sum(kept[method]) / len(kept[method]), "questions": len(golds)}
-    out["memalpha"].update(tool_success=sum(ok for ok, _ in calls) / len(calls) if calls else 0.0,
-                           calls_per_chunk=len(calls) / sum(len(r.steps) for r in rolls),
-                           inserts_copied=sum(copied) / len(copied) if copied else 0.0,
-                           validity=sum(r4_validity(s.calls) for r in rolls for s in r.steps) /
-                           sum(len(r.steps) for r in rolls))
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
+    steps = [s for r in rolls for s in r.steps]
+    input_tokens = [sum(count(c.text) for c in inst.chunks) for inst in instances]
+    out["memalpha"].update(tool_success=mean([ok for ok, _ in calls]), calls_per_chunk=len(calls) / len(steps),
+                           inserts_copied=mean(copied),
+                           r1=mean([mean([h for h, o in zip(right["memalpha"], owner) if o == i])
+                                    for i in range(len(rolls))]),
+                           r2=mean([r2_call_success(s.results) for s in steps]),
+                           r3=mean([r3_compression(m, n) for m, n in zip(kept["memalpha"], input_tokens)]),
+                           r4=mean([r4_validity(s.calls) for s in steps]),
+                           input_tokens=mean(input_tokens),
+                           over_budget=mean([m > context_tokens for m in kept["memalpha"]]))
     return out
 
 
@@ -84,7 +102,8 @@ def main(argv=None) -> None:
     p.add_argument("--split", default="test", type=Accepts(str, choices=tuple(SPLIT_SEEDS)),
                    help="held-out world seeds")
     p.add_argument("--seed", type=Accepts(int, unbounded=True), default=0, help="which held-out instances")
-    p.add_argument("--chunks", type=Accepts(int, min=1), default=4, help="chunks per instance (embedded world)")
+    p.add_argument("--chunks", type=Accepts(int, min=1), nargs="+", default=[4],
+                   help="chunks per instance (embedded world); several counts evaluate each, e.g. 4 8 16")
     p.add_argument("--top-k", type=Accepts(int, min=1), default=3, help="BM25 top-k of each store for the answerer")
     p.add_argument("--context-tokens", type=Accepts(int, min=1), default=64,
                    help="long-context baseline's budget of chunk tokens")
@@ -94,22 +113,30 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if not os.path.isdir(args.checkpoint):
         p.error(f"checkpoint folder {args.checkpoint} does not exist")
+    if args.data and args.chunks != [4]:
+        p.error(f"--chunks {' '.join(map(str, args.chunks))}: not with --data (its instances have their own chunks)")
+    if max(args.chunks) > max_chunks():
+        p.error(f"--chunks {max(args.chunks)}: a world holds {max_chunks()} chunks of 2 new facts (must be <= "
+                f"{max_chunks()})")
     device = pick_device(args.device)
     final = args.writer or os.path.join(args.checkpoint, "final")
     writer = load_model(final, device).eval()
     answerer = load_model(args.answerer or os.path.join(args.checkpoint, "sft"), device).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)
-    if args.data:
-        instances = load_memalpha(args.data)
-    else:
-        instances = make_memalpha_instances(SPLIT_SEEDS[args.split] + args.seed, args.instances,
-                                                 seed=args.seed, n_chunks=args.chunks)
-    res = evaluate_memalpha(writer, answerer, tokenizer, instances, args.top_k, args.context_tokens,
-                            args.max_new_tokens, scripted=not args.data)
-    for method, r in res.items():
-        print(f"{method:13s} " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                           for k, v in r.items()))
-    print(json.dumps({"checkpoint": args.checkpoint, "writer": final, "split": args.split, "memalpha": res}))
+    by_chunks, sec = {}, {}
+    for n in ["file"] if args.data else list(dict.fromkeys(args.chunks)):
+        t0 = time.time()
+        instances = load_memalpha(args.data) if args.data else \
+            make_memalpha_instances(SPLIT_SEEDS[args.split] + args.seed, args.instances, seed=args.seed, n_chunks=n)
+        res = by_chunks[str(n)] = evaluate_memalpha(writer, answerer, tokenizer, instances, args.top_k,
+                                                    args.context_tokens, args.max_new_tokens, scripted=not args.data)
+        sec[str(n)] = time.time() - t0
+        print(f"chunks {n}: {len(instances)} instances, {sec[str(n)]:.1f} s")
+        for method, r in res.items():
+            print(f"  {method:13s} " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                 for k, v in r.items()))
+    print(json.dumps({"checkpoint": args.checkpoint, "writer": final, "split": args.split, "by_chunks": by_chunks,
+                      "sec": sec}))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python -m recipes.memtrain --model SFT_RUN/final --run runs/memtrain    # then: train.py --model runs/memtrain/final
 
-Built from the shared pieces: the engine (``rollout.generate``), ``grpo.py`` (Dr.GRPO advantages, the DAPO
+Built from the shared pieces: the engine (``engine.generate``), ``grpo.py`` (Dr.GRPO advantages, the DAPO
 filter, rows), ``sft.run_sft`` and train.py's run (model loading, ``ppo_update``, the RL loop, checkpoints).
 The proxy tasks are in ``recipes/memtrain_tasks.py``; the evaluation in ``recipes/memtrain_eval.py``.
 
@@ -64,13 +64,14 @@ import checkpoint
 import data
 import dist
 import train
+from engine import generate, stop_strings
 from flags import flag
 from grpo import Sample, filter_groups, grouped_advantage
 from memory import Record, extract_mem, mem_token_end, prepare_prompt, tool_record
 from recipes.memtrain_tasks import (MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks,
                                     memtrain_expert_rounds, world_memtrain_tasks)
 from reward import em_score
-from rollout import Round, cut_at_stop, encode_chat, generate, stop_strings
+from rollout import Round, cut_at_stop, encode_chat
 from search import SearchTool
 from sft import run_sft
 
