@@ -14,7 +14,7 @@ split on ``;``, part k against objective k's aliases:
     P              = exp(mean(logp_word over ans_mask & (logp_word > log threshold)))
     mem_reward[i,t] = P_mem - P_full
 
-All 2N (context, answer) pairs go through one batched no-grad forward; grpo.py pools and normalises the
+All 2N (context, answer) pairs go through one no-grad pass, in micro-batches; grpo.py pools and normalises the
 rewards. The math works on token ids (``p_mem_minus_p_full``); ``memory_rewards`` picks the rounds and builds
 their two contexts from trajectories, read by attribute. The file imports nothing of the project, so it
 copies out alone (torch; a tokenizer and a model are passed in).
@@ -284,7 +284,7 @@ def p_mem_minus_p_full(model, full_traj: list[list[int]], mem_traj: list[list[in
     if mask_mode not in ("separate", "full"):
         raise ValueError(f"unknown mask_mode {mask_mode!r}")
     N = len(answers)
-    # ONE batched no-grad forward: log p of every answer token, full_traj rows then mem_traj rows, zero-padded
+    # one no-grad pass in micro-batches: log p of every answer token, full_traj rows then mem_traj rows, zero-padded
     logps = answer_logprobs(model, full_traj + mem_traj, answers + answers, pad_id, token_budget) if N else []
     A = max((len(a) for a in answers), default=0)
     logp = torch.zeros(2 * N, A)                                                   # (2N, A)

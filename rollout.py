@@ -96,9 +96,9 @@ class AgentConfig:
     system_prompt: str
     context: str = "snail"       # "snail" | "full"
     keep_rounds: int = 1
-    max_turns: int = 8
-    max_new_tokens: int = 128
-    temperature: float = 1.0
+    max_turns: int = 16          # train.py's rollout defaults; eval.greedy_agent: 64 turns, 128 tokens, greedy
+    max_new_tokens: int = 96
+    temperature: float = 0.7
     top_p: float = 1.0
     mem_prefix: bool = True      # force "<mem>" at the start of rounds >= 2
     webpage_chars: int = 100

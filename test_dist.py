@@ -132,7 +132,8 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     model = tiny_model(tok).eval()
     tasks, tool = train.rl_tasks(cfg, step=3)
     share = dist.my_questions(len(tasks))
-    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens)
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                        temperature=1.0)
     trajs = train.rollout_share(model, tok, tasks[share.start:share.stop], share.start, cfg, 3, tool, agent)
     res["rollouts"] = [(t.group_id, t.question, [r.round_ids for r in t.rounds]) for t in trajs]
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
@@ -182,7 +183,8 @@ def test_two_ranks_update_and_rollouts_equal_one_process(tmp_path):
     # process draws for that share with the rank's seed (rank 0: the single process's own seed)
     cfg = train.parse_args(ROLLOUT_ARGS + ["--device", "cpu"])
     tasks, tool = train.rl_tasks(cfg, step=3)
-    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens)
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                        temperature=1.0)
 
     def alone(rank: int, share: range) -> list:
         dist.DIST = dist.Dist(rank=rank, world=2)         # only the seed reads it: no process group

@@ -39,7 +39,7 @@ def test_parse_action():
 def test_untrained_model_output_never_crashes_and_scores_zero(tiny):
     tok, model = tiny
     w, tasks = data.make_tasks(11, 3, [2])
-    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=4, max_new_tokens=40)
+    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=4, max_new_tokens=40, temperature=1.0)
     trajs = rollout(model, tok, tasks, 4, SearchTool(w.docs), cfg, torch.Generator().manual_seed(0))
     assert len(trajs) == 12 and [t.group_id for t in trajs] == [0] * 4 + [1] * 4 + [2] * 4
     for t in trajs:

@@ -279,7 +279,7 @@ def test_agent_loop_searches_once_per_round_with_every_rows_query():
     world, tasks = data.make_tasks(4, 1, [2], (2, 2))
     rounds, tape = expert_tape(tok, tasks[0])
     tool = Recorder(world.docs)
-    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=len(rounds), max_new_tokens=60)
+    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=len(rounds), max_new_tokens=60, temperature=1.0)
     policy = ExpertTape(inner, tape, every_row=True)
     trajs = rollout(policy, tok, tasks, 4, tool, cfg, torch.Generator().manual_seed(0))
     searches = [q for _, q in data.expert_episode(tasks[0]) if q is not None]
@@ -298,7 +298,7 @@ def test_failed_searches_reach_the_trajectory_and_the_run_goes_on():
     world, tasks = data.make_tasks(4, 1, [1], (2, 2))
     rounds, tape = expert_tape(tok, tasks[0])
     client = SearchClient(f"http://127.0.0.1:{free_port()}/retrieve", retries=0)
-    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=2, max_new_tokens=60)
+    cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=2, max_new_tokens=60, temperature=1.0)
     trajs = rollout(ExpertTape(inner, tape, every_row=True), tok, tasks, 2, client, cfg)
     assert all(t.records[2].text == SEARCH_FAILED for t in trajs) and client.failures == 2 * 2
     assert isinstance(client, Retriever)

@@ -245,7 +245,7 @@ def test_all_tied_batch_is_skipped_and_weights_untouched():
     cfg = train.parse_args(RL_ARGS + ["--algo", "grpo"])
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=3, max_new_tokens=20)
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=3, max_new_tokens=20, temperature=1.0)
     m = train.rl_step(model, None, tok, opt, cfg, 0, agent)
     assert m["score"] == 0.0 and m["skipped"] == "all advantages are zero"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -100,7 +100,8 @@ def step():
         stray = [expert[0].replace("</mem> <think>", "</mem> search <think>")] + expert[1:]   # rule 5 in round 1
         trajs += [replay(tok, task, expert, tool, gid), replay(tok, task, forget, tool, gid),
                   replay(tok, task, stray, tool, gid)]
-        sampled = rollout(model, tok, [task], 1, tool, AgentConfig(data.SYSTEM_PROMPT, max_turns=2, max_new_tokens=12),
+        sampled = rollout(model, tok, [task], 1, tool, AgentConfig(data.SYSTEM_PROMPT, max_turns=2, max_new_tokens=12,
+                                                                    temperature=1.0),
                           torch.Generator().manual_seed(gid))[0]
         sampled.group_id = gid
         trajs.append(sampled)

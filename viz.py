@@ -392,7 +392,8 @@ def demo_step(model, tokenizer, system_prompt: str, questions: int = 8, group: i
     rng = random.Random(seed)
     world = data.make_world(rng.randrange(10**9))
     tasks = [data.make_task(world, rng, rng.choice(objectives), (1, 3)) for _ in range(questions)]
-    agent = AgentConfig(system_prompt=system_prompt, max_turns=max_turns, max_new_tokens=max_new_tokens)
+    agent = AgentConfig(system_prompt=system_prompt, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                        temperature=1.0)
     trajs = rollout(model, tokenizer, tasks, group, SearchTool(world.docs), agent,
                     torch.Generator(device=model.device).manual_seed(seed))
     outs = [outcome_reward(t) for t in trajs]
