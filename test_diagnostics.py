@@ -305,7 +305,7 @@ def test_each_mode_prints_its_report_then_one_json_line(sft_run, capsys):
     out = last()
     assert out["mem_mask"] == "separate" and out["checkpoint"] == str(sft_run)
     assert {"retention", "faithfulness", "first_update", "p_by_round", "probe"} <= set(out["diagnostics"]["2"])
-    diagnostics.main(quick + ["--stop-value", "--temperature", "1"])
+    diagnostics.main(quick + ["--stop-value", "--temperature", "1", "--tasks", "8"])   # 2 may hold no <mem> search
     assert {"n", "q_stop", "q_go", "by_round"} <= set(last()["stop_value"]["2"])
     diagnostics.main(quick + ["--decisions", str(sft_run)])
     res = last()["decisions"]["2"]
