@@ -21,15 +21,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
-
-
-def mean_ci(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, 0.0
-    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
-    return m, T95.get(len(xs) - 1, 1.96) * sd / len(xs) ** 0.5
+sys.path.insert(0, ROOT)
+from eval import mean_ci  # noqa: E402  (the evaluator's 95% t-interval, so the tables match eval.py --compare)
 
 
 def scored(model: str, ks: list[int], tasks: int) -> dict[int, float]:
