@@ -202,6 +202,23 @@ def test_rl_instances_draw_their_chunk_counts_from_rl_chunks(monkeypatch):
     assert m["chunks"] == pytest.approx(sum(counts) / 3)
 
 
+def test_first_day_sets_where_sft_and_grpo_instances_start(monkeypatch):
+    tok = memalpha_data.build_memalpha_tokenizer()
+    seen = _spy(monkeypatch, "memalpha_instances")
+    cfg = memalpha.MemAlphaConfig(sft_batch=6, sft_copy_steps=0, sft_chunks=4, first_day="40-45")
+    memalpha.memalpha_sft_batch(tok, cfg, 0)
+    firsts = [i.chunks[0].day for _, insts in seen for i in insts]
+    assert all(40 <= d <= 45 for d in firsts) and len(set(firsts)) > 1
+    rl = memalpha.memalpha_instances(cfg, 5, 8, 1, 6)
+    assert all(40 <= i.chunks[0].day <= 45 and i.chunks[-1].day <= 45 + 5 * 3 for i in rl)
+    # every day a chunk shows is one token of the word-level tokenizer, the first chunk's too
+    assert all(len(tok.encode(f"day {c.day}", add_special_tokens=False)) == 2 for i in rl for c in i.chunks)
+    one = memalpha.MemAlphaConfig()                 # the default 1-3: the instances of before, draw for draw
+    assert one.first_day == "1-3"
+    assert [c.text for i in memalpha.memalpha_instances(one, 5, 8, 1, 4) for c in i.chunks] == \
+        [c.text for i in memalpha_data.make_memalpha_instances(5, 8, seed=1, n_chunks=4) for c in i.chunks]
+
+
 def test_chunk_flags_parse_and_a_count_the_world_cannot_fill_stops(capsys):
     cfg = memalpha.parse_args(["--sft-chunks", "4", "--rl-chunks", "4-8"])
     assert (cfg.sft_chunks, cfg.rl_chunks) == (4, "4-8")
