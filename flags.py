@@ -39,7 +39,8 @@ def k_range(text: str) -> list[int]:
 class Accepts:
     """What a flag accepts, declared beside it and used as its argparse ``type``: a number in [min, max]
     (``above``: strictly more than; ``off``: one more value that turns it off), one of ``choices``, or with
-    ``int_range`` a K range 'A-B' / 'A,B' that ascends with every K >= min (default 1). ``unbounded`` says a
+    ``int_range`` a K range 'A-B' / 'A,B' that ascends with every K >= min (default 1), or with ``ranges`` one or
+    more ranges 'A-B,C-D,...' (each 'A-B' or 'A', ascending, >= min). ``unbounded`` says a
     number has no bound on purpose (a seed)."""
     kind: type = str
     min: float | None = None
@@ -48,6 +49,7 @@ class Accepts:
     off: float | None = None
     choices: tuple = ()
     int_range: bool = False
+    ranges: bool = False
     unbounded: bool = False
 
     def rejects(self, value) -> str | None:
@@ -62,6 +64,15 @@ class Accepts:
             low = 1 if self.min is None else self.min
             if not ks or ks != sorted(ks) or ks[0] < low:
                 return f"must be an ascending range A-B or list A,B,... of integers >= {low:g}"
+            return None
+        if self.ranges:
+            try:
+                parts = [k_range(part) for part in value.split(",")]
+            except ValueError:
+                parts = []
+            low = 1 if self.min is None else self.min
+            if not parts or any(not ks or ks[0] < low for ks in parts):
+                return f"must be ranges A-B or A-B,C-D,... of integers >= {low:g}, each ascending"
             return None
         if value == self.off or (math.isfinite(value) and (self.min is None or value >= self.min) and
                                  (self.above is None or value > self.above) and
@@ -80,7 +91,7 @@ class Accepts:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text}: not {'an integer' if self.kind is int else 'a number'}") \
                 from None
-        why = self.rejects(value) if self.kind is not str or self.choices or self.int_range else None
+        why = self.rejects(value) if self.kind is not str or self.choices or self.int_range or self.ranges else None
         if why:
             raise argparse.ArgumentTypeError(f"{text}: {why}")
         return value
@@ -88,7 +99,7 @@ class Accepts:
 
 def flag(default, help: str, section: str = "", **accepts):
     """A Config field that is also a command-line flag: its default, its ``--help`` line and what it accepts
-    (``Accepts``: min, max, above, off, choices, int_range, unbounded), side by side; ``section`` titles the
+    (``Accepts``: min, max, above, off, choices, int_range, ranges, unbounded), side by side; ``section`` titles the
     ``--help`` group that opens at this field."""
     return field(default=default, metadata={"help": help, "accepts": Accepts(type(default), **accepts),
                                             "section": section})

@@ -34,6 +34,8 @@ def bad_values(rule) -> list[str]:
         return ["nope"]
     if get("int_range"):
         return ["3-1", "0-2", "2,1", "x"]
+    if get("ranges"):
+        return ["3-1", "0-2", "1-3,5-4", "1-3,", "x"]
     out = []
     if get("min") is not None:
         out += [get("min") - 1] + ([-1] if get("min") - 1 != -1 else [])
@@ -47,7 +49,7 @@ def bad_values(rule) -> list[str]:
 def declared(rule, default) -> bool:
     """Does a flag of this default declare what it accepts? Numbers and K ranges must; other strings need not."""
     if any(getattr(rule, name, None) is not None for name in ("min", "max", "above")) or \
-            any(getattr(rule, name, None) for name in ("choices", "int_range", "unbounded")):
+            any(getattr(rule, name, None) for name in ("choices", "int_range", "ranges", "unbounded")):
         return True
     return not (isinstance(default, (int, float)) or isinstance(default, str) and RANGE.match(default)
                 or rule in (int, float))
@@ -72,7 +74,8 @@ def test_every_config_field_declares_and_refuses(config, tmp_path, capsys):
         if isinstance(f.default, bool):
             continue
         assert rule is not None and declared(rule, f.default), f"--{f.name}: declares no bound (or unbounded=True)"
-        assert rule.kind is str and not (rule.choices or rule.int_range) or rule.rejects(f.default) is None
+        checked = rule.kind is not str or rule.choices or rule.int_range or rule.ranges
+        assert not checked or rule.rejects(f.default) is None
         flag = "--" + f.name.replace("_", "-")
         for value in bad_values(rule):
             refused(capsys, lambda a: train.parse_args(a, config), ["--run", str(run), flag, value], flag, value)

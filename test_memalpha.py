@@ -213,6 +213,10 @@ def test_first_day_sets_where_sft_and_grpo_instances_start(monkeypatch):
     assert all(40 <= i.chunks[0].day <= 45 and i.chunks[-1].day <= 45 + 5 * 3 for i in rl)
     # every day a chunk shows is one token of the word-level tokenizer, the first chunk's too
     assert all(len(tok.encode(f"day {c.day}", add_special_tokens=False)) == 2 for i in rl for c in i.chunks)
+    mix = memalpha.MemAlphaConfig(first_day="1-3,40-45")     # each instance picks a range, then its day
+    firsts = [i.chunks[0].day for i in memalpha.memalpha_instances(mix, 5, 40, 1, 4)]
+    assert set(firsts) <= {1, 2, 3, 40, 41, 42, 43, 44, 45} and min(firsts) <= 3 and max(firsts) >= 40
+    assert memalpha.day_ranges("1-3,40-45") == [(1, 3), (40, 45)] and memalpha.day_ranges("7") == [(7, 7)]
     one = memalpha.MemAlphaConfig()                 # the default 1-3: the instances of before, draw for draw
     assert one.first_day == "1-3"
     assert [c.text for i in memalpha.memalpha_instances(one, 5, 8, 1, 4) for c in i.chunks] == \

@@ -98,9 +98,9 @@ class MemAlphaConfig(train.Config):
     # The word-level tokenizer has one token per day number, and a day number SFT never showed is an untrained
     # embedding that breaks writer and answerer alike: at 1-3, 4-chunk instances reach day ~12 and 8-chunk ones
     # day ~24, so a longer input would test unseen tokens, not a longer stream (results/MEMALPHA.md section 11).
-    first_day: str = flag("1-3", "day of an instance's first chunk in SFT and GRPO, drawn from A-B (later chunks "
-                                 "follow 1-3 days apart); 1-60 shows every day an input of up to 16 chunks reaches",
-                          int_range=True)
+    first_day: str = flag("1-3", "day of an instance's first chunk in SFT and GRPO, drawn from A-B, or from one of "
+                                 "A-B,C-D,... picked uniformly (later chunks follow 1-3 days apart); 1-3,1-60 "
+                                 "shows every day an input of up to 16 chunks reaches", ranges=True)
     facts_per_chunk: int = flag(2, "new facts per chunk", min=1)
     questions_per_instance: int = flag(4, "questions per instance", min=1)
     flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises", min=0, max=1)
@@ -277,13 +277,21 @@ def memalpha_tokenizer(vocab: int = 800, seed: int = 0, kind: str = "bpe"):
     return data.build_bpe_tokenizer(data.world_texts(seed=seed) + memalpha_texts(seed=seed), vocab)
 
 
+def day_ranges(text: str) -> list[tuple[int, int]]:
+    """'1-3' -> [(1, 3)]; '1-3,1-60' -> [(1, 3), (1, 60)]; '5' -> [(5, 5)] (``--first-day``)."""
+    out = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out.append((int(a), int(b or a)))
+    return out
+
+
 def memalpha_instances(cfg: MemAlphaConfig, world_seed: int, n: int, seed: int, n_chunks: int | list[int],
                        flaw_p: float = 0.0):
     """``n`` instances of ``n_chunks`` chunks (one count, or one per instance) at the config's task sizes."""
-    days = data.int_range(cfg.first_day)
     return make_memalpha_instances(world_seed, n, seed=seed, n_chunks=n_chunks, facts_per_chunk=cfg.facts_per_chunk,
                                    n_questions=cfg.questions_per_instance, flaw_p=flaw_p,
-                                   first_day=(min(days), max(days)))
+                                   first_day=day_ranges(cfg.first_day))
 
 
 def rl_chunk_counts(cfg: MemAlphaConfig, step: int) -> list[int]:

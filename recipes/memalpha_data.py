@@ -91,10 +91,11 @@ class MemInstance:
 def make_memalpha_instance(world: World, rng: random.Random, n_chunks: int = 4, facts_per_chunk: int = 2,
                            events_per_chunk: int = 1, change_p: float = 0.6, end_p: float = 0.3,
                            n_questions: int = 4, flaw_p: float = 0.0,
-                           first_day: tuple[int, int] = (1, 3)) -> MemInstance:
+                           first_day: tuple[int, int] | list[tuple[int, int]] = (1, 3)) -> MemInstance:
     """A stream of ``n_chunks`` dated chunks over ``world`` and ``n_questions`` questions about its end state.
     Each chunk reports ``facts_per_chunk`` facts no earlier chunk reported: more than the world holds is an error.
-    The first chunk's day is drawn from ``first_day`` (inclusive), each later one 1-3 days after the last."""
+    The first chunk's day is drawn from ``first_day`` (inclusive; from a list of ranges, from one picked uniformly),
+    each later one 1-3 days after the last."""
     if n_chunks * facts_per_chunk > len(world.facts):
         raise ValueError(f"{n_chunks} chunks x {facts_per_chunk} new facts each need {n_chunks * facts_per_chunk} "
                          f"facts, the world holds {len(world.facts)}: at most {len(world.facts) // facts_per_chunk} "
@@ -103,7 +104,9 @@ def make_memalpha_instance(world: World, rng: random.Random, n_chunks: int = 4, 
     value: dict[tuple[str, str], str] = {}
     changed: list[tuple[str, str]] = []
     events: list[tuple[str, str, str, int]] = []
-    chunks, day = [], rng.randint(*first_day)
+    ranges = first_day if isinstance(first_day, list) else [first_day]
+    lo, hi = ranges[0] if len(ranges) == 1 else rng.choice(ranges)
+    chunks, day = [], rng.randint(lo, hi)
     for c in range(n_chunks):
         reports = []
         for s, r in keys[c * facts_per_chunk:(c + 1) * facts_per_chunk]:
