@@ -5,7 +5,8 @@ as ``memalpha_eval`` does (core + BM25 top-3 of each store). Then the same promp
 rewritten to ``day ((N - 1) % 10) + 1``, a day number a 4-chunk SFT trained on. If accuracy comes back, what
 broke the answerer is the untrained day tokens, not the longer stream. Per question kind: relation questions
 whose answer is an entity (the date does not matter to them), ``when`` questions (the date IS the answer, so the
-rewrite makes them wrong by design) and ``none`` answers.
+rewrite makes them wrong by design) and ``none`` answers. ``--shift S`` rewrites ``day N`` to ``day N+S`` instead:
+for an answerer trained on late days, does it fail on the early days every evaluation instance starts with?
 
     python results/memalpha_days.py --checkpoint runs/memalpha/sft --chunks 4 8 16
 """
@@ -32,11 +33,16 @@ def fold_days(text: str) -> str:
     return re.sub(r"day (\d+)", lambda m: f"day {(int(m.group(1)) - 1) % 10 + 1}", text)
 
 
+def shift_days(text: str, shift: int) -> str:
+    return re.sub(r"day (\d+)", lambda m: f"day {int(m.group(1)) + shift}", text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, help="the answerer's HF folder (a Mem-alpha run's sft/)")
     p.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--instances", type=int, default=16)
+    p.add_argument("--shift", type=int, default=0, help="rewrite day N to N+SHIFT (0: fold into 1-10)")
     args = p.parse_args()
     tok = AutoTokenizer.from_pretrained(args.checkpoint)
     model = load_model(args.checkpoint, torch.device("cpu")).eval()
@@ -52,7 +58,9 @@ def main() -> None:
                 rows.append((answerer_messages(memory, q, 3), gold, kind))
         days = max(c.day for inst in make_memalpha_instances(SPLIT_SEEDS["test"], args.instances, seed=0,
                                                              n_chunks=n) for c in inst.chunks)
-        for name, fix in (("as written", lambda s: s), ("days folded into 1-10", fold_days)):
+        other = (f"days shifted by {args.shift}", lambda s: shift_days(s, args.shift)) if args.shift else \
+            ("days folded into 1-10", fold_days)
+        for name, fix in (("as written", lambda s: s), other):
             msgs = [[m[0], {"role": "user", "content": fix(m[1]["content"])}] for m, _, _ in rows]
             right = [em_score(a, g) for a, (_, g, _) in zip(answer_contexts(model, tok, msgs), rows)]
             by = {k: [r for r, (_, _, kk) in zip(right, rows) if kk == k] for k in ("relation", "when", "none")}
