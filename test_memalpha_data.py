@@ -150,6 +150,22 @@ def test_word_tokenizer_names_are_one_token_in_the_chunk_and_in_the_json():
     assert pieces("memory_types") == list("memory_types")
 
 
+def test_digits_tokenizer_spells_every_number_by_digits_and_round_trips():
+    tok = memalpha.memalpha_tokenizer(kind="digits")
+    word = memalpha_data.build_memalpha_tokenizer()
+    pieces = lambda t, s: [t.decode([i]) for i in t.encode(s, add_special_tokens=False)]
+    # day 37 is two tokens that a stream of days 1-12 already trained, not one token of its own
+    assert pieces(tok, "on day 37 ramu") == ["on", "day", " ", "3", "7", "ramu"]
+    assert pieces(word, "on day 37 ramu") == ["on", "day", "37", "ramu"]
+    assert pieces(tok, "day 5 : pigo") == pieces(word, "day 5 : pigo")
+    assert set(tok.get_vocab()) < set(word.get_vocab()) and "37" not in tok.get_vocab()
+    texts = memalpha_data.memalpha_texts(n=10) + [c.text for i in memalpha_data.make_memalpha_instances(
+        3, 4, n_chunks=30, first_day=(90, 99)) for c in i.chunks]
+    for t in texts:
+        ids = tok.encode(t, add_special_tokens=False)
+        assert tok.unk_token_id not in ids and tok.decode(ids) == t
+
+
 def test_word_tokenizer_round_trips_every_text_of_the_task_and_saves(tmp_path):
     tok = memalpha_data.build_memalpha_tokenizer()
     texts = memalpha_data.memalpha_texts(n=10) + ['{"name": "memory_delete"} ~!@#$%^&*()\n\t[x] <tool_call>{"name": "']

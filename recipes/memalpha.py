@@ -78,8 +78,9 @@ class MemAlphaConfig(train.Config):
     """Mem-alpha: SFT cold start + GRPO over chunk steps."""
     run: str = flag("runs/memalpha", "output folder")
     algo: str = flag("memalpha", "memalpha (this recipe)", choices=("memalpha",))
-    tokenizer: str = flag("word", "word (one token per word of the task, JSON glue as tokens) | bpe (byte-level "
-                                  "BPE, --vocab)", choices=("word", "bpe"))
+    tokenizer: str = flag("word", "word (one token per word of the task, JSON glue as tokens) | digits (the same, "
+                                  "numbers spelt digit by digit) | bpe (byte-level BPE, --vocab)",
+                          choices=("word", "digits", "bpe"))
     sft_steps: int = flag(2200, "SFT cold-start steps (0 skips)", min=0)
     sft_copy_steps: int = flag(1200, "first SFT steps on first-chunk writer rows only (learn to copy names into JSON)",
                                min=0)
@@ -268,12 +269,12 @@ def memalpha_rewards(answerer, tokenizer, rollouts: list, instances: list, k: in
 # --------------------------------------------------------------------------- SFT rows, the GRPO step, the run
 
 def memalpha_tokenizer(vocab: int = 800, seed: int = 0, kind: str = "bpe"):
-    """``kind`` word: ``data.build_memalpha_tokenizer``; bpe: the byte-level BPE tokenizer trained on the
-    world's text and this task's chunks and tool calls."""
-    if kind == "word":
-        return build_memalpha_tokenizer()
+    """``kind`` word (digits: numbers spelt digit by digit): ``build_memalpha_tokenizer``; bpe: the byte-level BPE
+    tokenizer trained on the world's text and this task's chunks and tool calls."""
+    if kind in ("word", "digits"):
+        return build_memalpha_tokenizer(digits=kind == "digits")
     if kind != "bpe":
-        raise ValueError(f"--tokenizer must be word or bpe, not {kind!r}")
+        raise ValueError(f"--tokenizer must be word, digits or bpe, not {kind!r}")
     return data.build_bpe_tokenizer(data.world_texts(seed=seed) + memalpha_texts(seed=seed), vocab)
 
 

@@ -301,19 +301,22 @@ def rag_chunks(chunks: list[str], question: str, k: int = 2) -> list[str]:
 TOOL_JSON_GLUE = ['<tool_call>{"name": "', '", "arguments": {"', '"}}</tool_call>', '": "', '", "']
 
 
-def memalpha_words() -> list[str]:
-    """Every word the Mem-alpha task writes (world names, relations, verbs, tools, prompts), deduplicated."""
+def memalpha_words(numbers: int = 100) -> list[str]:
+    """Every word the Mem-alpha task writes (world names, relations, verbs, tools, prompts), deduplicated; the
+    numbers below ``numbers`` are words (one token each), larger ones are spelt digit by digit."""
     words = name_pool() + RELATIONS + EVENT_VERBS + list(MEMORY_TYPES) + list(TOOL_ARGS)
     words += [a for req, opt in TOOL_ARGS.values() for a in req + opt]
     words += (WRITER_SYSTEM + " " + ANSWER_SYSTEM).split() + [TRUNCATED, NONE_ANSWER, UNKNOWN]
     words += "day is now ended on when latest report question chunk more not shown empty system user assistant".split()
-    words += [str(k) for k in range(100)]
+    words += [str(k) for k in range(numbers)]
     return list(dict.fromkeys(w for w in words if re.fullmatch(r"\w+", w)))
 
 
-def build_memalpha_tokenizer():
-    """The word-level ChatML tokenizer of the Mem-alpha task (see this section's notes). Deterministic."""
-    words = memalpha_words()
+def build_memalpha_tokenizer(digits: bool = False):
+    """The word-level ChatML tokenizer of the Mem-alpha task (see this section's notes). Deterministic. With
+    ``digits`` every number is spelt digit by digit, as a real model's tokenizer (Qwen's) does, so that day 37
+    is made of tokens a short stream trained; without it each of 0-99 is one token of its own."""
+    words = memalpha_words(10 if digits else 100)
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
     vocab = list(dict.fromkeys(CHATML_SPECIALS + TOOL_JSON_GLUE + words + chars))
     alt = lambda ws: "|".join(sorted(ws, key=len, reverse=True))      # longest first: memory_type before memory
