@@ -7,6 +7,7 @@ broke the answerer is the untrained day tokens, not the longer stream. Per quest
 whose answer is an entity (the date does not matter to them), ``when`` questions (the date IS the answer, so the
 rewrite makes them wrong by design) and ``none`` answers. ``--shift S`` rewrites ``day N`` to ``day N+S`` instead:
 for an answerer trained on late days, does it fail on the early days every evaluation instance starts with?
+``--first-day A-B`` builds the instances themselves with a first day in A-B (the evaluation's start at 1-3).
 
     python results/memalpha_days.py --checkpoint runs/memalpha/sft --chunks 4 8 16
 """
@@ -42,22 +43,25 @@ def main() -> None:
     p.add_argument("--checkpoint", required=True, help="the answerer's HF folder (a Mem-alpha run's sft/)")
     p.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--instances", type=int, default=16)
+    p.add_argument("--first-day", default="1-3", help="A-B: the instances' first day (memalpha_eval's: 1-3)")
     p.add_argument("--shift", type=int, default=0, help="rewrite day N to N+SHIFT (0: fold into 1-10)")
     args = p.parse_args()
     tok = AutoTokenizer.from_pretrained(args.checkpoint)
     model = load_model(args.checkpoint, torch.device("cpu")).eval()
     count = lambda s: len(tok.encode(s, add_special_tokens=False))
+    lo, hi = (int(x) for x in args.first_day.split("-"))
+    insts = lambda n: make_memalpha_instances(SPLIT_SEEDS["test"], args.instances, seed=0, n_chunks=n,
+                                              first_day=(lo, hi))
     for n in args.chunks:
         rows = []
-        for inst in make_memalpha_instances(SPLIT_SEEDS["test"], args.instances, seed=0, n_chunks=n):
+        for inst in insts(n):
             memory = StructuredMemory(512, count, seed=0)
             for chunk in inst.chunks:
                 writer_calls(memory, chunk)
             for q, gold in inst.questions:
                 kind = "when" if q.startswith("when ") else "none" if gold == ["none"] else "relation"
                 rows.append((answerer_messages(memory, q, 3), gold, kind))
-        days = max(c.day for inst in make_memalpha_instances(SPLIT_SEEDS["test"], args.instances, seed=0,
-                                                             n_chunks=n) for c in inst.chunks)
+        days = max(c.day for inst in insts(n) for c in inst.chunks)
         other = (f"days shifted by {args.shift}", lambda s: shift_days(s, args.shift)) if args.shift else \
             ("days folded into 1-10", fold_days)
         for name, fix in (("as written", lambda s: s), other):
