@@ -8,6 +8,8 @@ whose answer is an entity (the date does not matter to them), ``when`` questions
 rewrite makes them wrong by design) and ``none`` answers. ``--shift S`` rewrites ``day N`` to ``day N+S`` instead:
 for an answerer trained on late days, does it fail on the early days every evaluation instance starts with?
 ``--first-day A-B`` builds the instances themselves with a first day in A-B (the evaluation's start at 1-3).
+``--lines core`` (or ``episodic``) rewrites only the memory lines that start so: which lines break the answerer?
+Each row ends with the commonest answers to relation questions.
 
     python results/memalpha_days.py --checkpoint runs/memalpha/sft --chunks 4 8 16
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections import Counter
 import re
 import sys
 
@@ -44,6 +47,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--instances", type=int, default=16)
     p.add_argument("--first-day", default="1-3", help="A-B: the instances' first day (memalpha_eval's: 1-3)")
+    p.add_argument("--lines", default="", help="rewrite only the memory lines that start with this (core, episodic)")
     p.add_argument("--shift", type=int, default=0, help="rewrite day N to N+SHIFT (0: fold into 1-10)")
     args = p.parse_args()
     tok = AutoTokenizer.from_pretrained(args.checkpoint)
@@ -64,12 +68,18 @@ def main() -> None:
         days = max(c.day for inst in insts(n) for c in inst.chunks)
         other = (f"days shifted by {args.shift}", lambda s: shift_days(s, args.shift)) if args.shift else \
             ("days folded into 1-10", fold_days)
+        if args.lines:
+            other = (f"{other[0]} in {args.lines}", lambda s, f=other[1]: "\n".join(
+                f(ln) if ln.startswith(args.lines) else ln for ln in s.split("\n")))
         for name, fix in (("as written", lambda s: s), other):
             msgs = [[m[0], {"role": "user", "content": fix(m[1]["content"])}] for m, _, _ in rows]
-            right = [em_score(a, g) for a, (_, g, _) in zip(answer_contexts(model, tok, msgs), rows)]
+            answers = answer_contexts(model, tok, msgs)
+            right = [em_score(a, g) for a, (_, g, _) in zip(answers, rows)]
+            common = Counter(a for a, (_, _, k) in zip(answers, rows) if k == "relation").most_common(3)
             by = {k: [r for r, (_, _, kk) in zip(right, rows) if kk == k] for k in ("relation", "when", "none")}
             print(f"chunks {n:2d} (days up to {days:2d}), {name:22s} " + "  ".join(
-                f"{k} {sum(v) / len(v):.3f} (n {len(v)})" for k, v in by.items() if v))
+                f"{k} {sum(v) / len(v):.3f} (n {len(v)})" for k, v in by.items() if v) +
+                "  relation answers: " + ", ".join(f"{a!r} x{c}" for a, c in common))
 
 
 if __name__ == "__main__":
