@@ -96,12 +96,10 @@ class MemAlphaConfig(train.Config):
     sft_chunks: int = flag(4, "chunks per SFT cold-start instance", min=1)
     rl_chunks: str = flag("4", "chunks per GRPO instance: A-B or A,B,... (each instance draws its count, uniformly)",
                           int_range=True)
-    # The word-level tokenizer has one token per day number, and a day number SFT never showed is an untrained
-    # embedding that breaks writer and answerer alike: at 1-3, 4-chunk instances reach day ~12 and 8-chunk ones
-    # day ~24, so a longer input would test unseen tokens, not a longer stream (results/MEMALPHA.md section 11).
+    # Where an instance's days start: a 4-chunk stream reaches day ~12 and a 16-chunk one day ~41, and an answerer
+    # whose SFT read only early days misreads memories with later ones (results/MEMALPHA.md section 11).
     first_day: str = flag("1-3", "day of an instance's first chunk in SFT and GRPO, drawn from A-B, or from one of "
-                                 "A-B,C-D,... picked uniformly (later chunks follow 1-3 days apart); 1-3,1-60 "
-                                 "shows every day an input of up to 16 chunks reaches", ranges=True)
+                                 "A-B,C-D,... picked uniformly (later chunks follow 1-3 days apart)", ranges=True)
     facts_per_chunk: int = flag(2, "new facts per chunk", min=1)
     questions_per_instance: int = flag(4, "questions per instance", min=1)
     flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises", min=0, max=1)
