@@ -330,6 +330,21 @@ def test_sft_batches_copy_phase_then_all_rows():
     assert memalpha.memalpha_sft_batch(tok, cfg, 2)[0].ids == rows[0].ids              # deterministic per step
 
 
+def test_answerer_only_sft_rows_are_the_answerers_rows_of_the_same_instances(capsys):
+    tok = bpe()
+    cfg = memalpha.MemAlphaConfig(sft_chunks=3, sft_rows="answerer", sft_copy_steps=0)
+    inst = memalpha.memalpha_instances(cfg, 11, 1, 0, 3)[0]
+    everything = memalpha.memalpha_expert_samples(tok, inst)
+    judge = memalpha.memalpha_expert_samples(tok, inst, writer=False)
+    assert [r.ids for r in judge] == [r.ids for r in everything[3:]]        # the memory the writer left, read
+    targets = [tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True) for r in memalpha.memalpha_sft_batch(
+        tok, dataclasses.replace(cfg, sft_batch=16), 0)]
+    assert len(targets) == 16 and not any(t.startswith("<tool_call>") for t in targets)
+    with pytest.raises(SystemExit):                     # a copy phase of writer rows has nothing to copy
+        memalpha.parse_args(["--sft-rows", "answerer"])
+    assert "--sft-copy-steps 1200 must be 0" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- checkpoint / resume
 
 def _tiny_run(path, **kw) -> "memalpha.MemAlphaConfig":

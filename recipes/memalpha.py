@@ -85,6 +85,8 @@ class MemAlphaConfig(train.Config):
     sft_copy_steps: int = flag(1200, "first SFT steps on first-chunk writer rows only (learn to copy names into JSON)",
                                min=0)
     sft_batch: int = flag(32, "rows per SFT step", min=1)
+    sft_rows: str = flag("all", "all | answerer: only the answerer's rows, an SFT of r1's judge alone (for "
+                                "--answerer; with --sft-copy-steps 0)", choices=("all", "answerer"))
     rl_steps: int = flag(40, "GRPO steps (0 skips)", min=0)
     max_new_tokens: int = flag(192, "max tokens the writer generates per chunk", min=1)
     micro_tokens: int = flag(4096, "token budget of one update micro-batch", min=1)
@@ -122,6 +124,9 @@ class MemAlphaConfig(train.Config):
             if max(data.int_range(str(value))) > most:
                 errors.append(f"--{name} {value}: a world holds {most} chunks of --facts-per-chunk "
                               f"{self.facts_per_chunk} new facts (must be <= {most})")
+        if self.sft_rows == "answerer" and self.sft_copy_steps > 0 and self.sft_steps > 0:
+            errors.append(f"--sft-rows answerer trains no writer, so its copy steps have no rows: "
+                          f"--sft-copy-steps {self.sft_copy_steps} must be 0")
         return errors, warnings
 
 
@@ -302,13 +307,16 @@ def rl_chunk_counts(cfg: MemAlphaConfig, step: int) -> list[int]:
 
 
 def memalpha_expert_samples(tokenizer, inst: MemInstance, k: int = 3, core_limit: int = 512,
-                            context_tokens: int = 64) -> list[Sample]:
-    """The scripted writer's rows (one per chunk), then the answerer's rows: one per question from the
-    writer's final memory, one per question from raw chunks (``memalpha_raw_rows``)."""
+                            context_tokens: int = 64, writer: bool = True) -> list[Sample]:
+    """The scripted writer's rows (one per chunk; none when not ``writer``), then the answerer's rows: one per
+    question from the writer's final memory, one per question from raw chunks (``memalpha_raw_rows``)."""
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
     mem = StructuredMemory(core_limit, lambda s: len(enc(s)), seed=0)     # ids as the loop draws them
     rows = []
     for chunk in inst.chunks:
+        if not writer:
+            writer_calls(mem, chunk, inst.flawed)
+            continue
         ctx = encode_chat(tokenizer, writer_messages(mem, chunk.text))
         rows.append(Sample(ctx + enc(writer_calls(mem, chunk, inst.flawed)) + [tokenizer.eos_token_id], len(ctx)))
     for q, _ in inst.questions:
@@ -345,7 +353,8 @@ def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample
     if step < cfg.sft_copy_steps:
         return [memalpha_expert_samples(tokenizer, MemInstance(inst.chunks[:1], []))[0] for inst in insts]
     rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory,
-                                                                 context_tokens=cfg.context_tokens)]
+                                                                 context_tokens=cfg.context_tokens,
+                                                                 writer=cfg.sft_rows == "all")]
     return rng.sample(rows, cfg.sft_batch)
 
 
