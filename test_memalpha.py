@@ -171,15 +171,19 @@ def _spy(monkeypatch, name: str) -> list:
 def test_sft_instances_have_sft_chunks(monkeypatch):
     tok = memalpha_data.build_memalpha_tokenizer()
     seen = _spy(monkeypatch, "memalpha_instances")
-    cfg = memalpha.MemAlphaConfig(sft_batch=6, sft_copy_steps=1, sft_chunks=7, rl_chunks="2-3")
+    cfg = memalpha.MemAlphaConfig(sft_batch=6, sft_copy_steps=1, sft_chunks="7", rl_chunks="2-3")
     for step in (0, 1):                                 # a copy step, then a step of every row kind
         assert len(memalpha.memalpha_sft_batch(tok, cfg, step)) == 6
     assert [len(i.chunks) for _, insts in seen for i in insts] == [7] * 12
-    assert (memalpha.MemAlphaConfig().sft_chunks, memalpha.MemAlphaConfig().rl_chunks) == (4, "4")   # today's
+    assert (memalpha.MemAlphaConfig().sft_chunks, memalpha.MemAlphaConfig().rl_chunks) == ("4", "4")   # today's
+    seen.clear()
+    mixed = memalpha.MemAlphaConfig(sft_batch=40, sft_copy_steps=0, sft_chunks="2-5")
+    memalpha.memalpha_sft_batch(tok, mixed, 3)
+    assert {len(i.chunks) for _, insts in seen for i in insts} == {2, 3, 4, 5}
 
 
 def test_rl_instances_draw_their_chunk_counts_from_rl_chunks(monkeypatch):
-    cfg = memalpha.MemAlphaConfig(rl_chunks="2-4", sft_chunks=9, instances=6)
+    cfg = memalpha.MemAlphaConfig(rl_chunks="2-4", sft_chunks="9", instances=6)
     draws = [memalpha.rl_chunk_counts(cfg, step) for step in range(12)]
     assert all(len(d) == 6 and set(d) <= {2, 3, 4} for d in draws) and set(sum(draws, [])) == {2, 3, 4}
     assert draws[3] == memalpha.rl_chunk_counts(cfg, 3)                         # fixed by seed and step
@@ -205,7 +209,7 @@ def test_rl_instances_draw_their_chunk_counts_from_rl_chunks(monkeypatch):
 def test_first_day_sets_where_sft_and_grpo_instances_start(monkeypatch):
     tok = memalpha_data.build_memalpha_tokenizer()
     seen = _spy(monkeypatch, "memalpha_instances")
-    cfg = memalpha.MemAlphaConfig(sft_batch=6, sft_copy_steps=0, sft_chunks=4, first_day="40-45")
+    cfg = memalpha.MemAlphaConfig(sft_batch=6, sft_copy_steps=0, sft_chunks="4", first_day="40-45")
     memalpha.memalpha_sft_batch(tok, cfg, 0)
     firsts = [i.chunks[0].day for _, insts in seen for i in insts]
     assert all(40 <= d <= 45 for d in firsts) and len(set(firsts)) > 1
@@ -225,7 +229,7 @@ def test_first_day_sets_where_sft_and_grpo_instances_start(monkeypatch):
 
 def test_chunk_flags_parse_and_a_count_the_world_cannot_fill_stops(capsys):
     cfg = memalpha.parse_args(["--sft-chunks", "4", "--rl-chunks", "4-8"])
-    assert (cfg.sft_chunks, cfg.rl_chunks) == (4, "4-8")
+    assert (cfg.sft_chunks, cfg.rl_chunks) == ("4", "4-8")
     assert memalpha.parse_args(["--rl-chunks", "72"]).rl_chunks == "72"       # 72 x 2 facts: the whole world
     for argv, start in ((["--sft-chunks", "73"], "--sft-chunks 73: "), (["--rl-chunks", "4-80"], "--rl-chunks 4-80: "),
                         (["--rl-chunks", "30", "--facts-per-chunk", "5"], "--rl-chunks 30: ")):
@@ -317,7 +321,7 @@ def test_eval_reports_every_chunk_count_it_was_asked(tmp_path, capsys):
 
 def test_sft_batches_copy_phase_then_all_rows():
     tok = bpe()
-    cfg = memalpha.MemAlphaConfig(sft_batch=8, sft_copy_steps=2, sft_chunks=3)
+    cfg = memalpha.MemAlphaConfig(sft_batch=8, sft_copy_steps=2, sft_chunks="3")
     copy_rows = memalpha.memalpha_sft_batch(tok, cfg, 1)
     assert len(copy_rows) == 8
     for r in copy_rows:                               # first chunks only: empty memory, a writer target
@@ -332,7 +336,7 @@ def test_sft_batches_copy_phase_then_all_rows():
 
 def test_answerer_only_sft_rows_are_the_answerers_rows_of_the_same_instances(capsys):
     tok = bpe()
-    cfg = memalpha.MemAlphaConfig(sft_chunks=3, sft_rows="answerer", sft_copy_steps=0)
+    cfg = memalpha.MemAlphaConfig(sft_chunks="3", sft_rows="answerer", sft_copy_steps=0)
     inst = memalpha.memalpha_instances(cfg, 11, 1, 0, 3)[0]
     everything = memalpha.memalpha_expert_samples(tok, inst)
     judge = memalpha.memalpha_expert_samples(tok, inst, writer=False)
@@ -348,7 +352,7 @@ def test_answerer_only_sft_rows_are_the_answerers_rows_of_the_same_instances(cap
 # --------------------------------------------------------------------------- checkpoint / resume
 
 def _tiny_run(path, **kw) -> "memalpha.MemAlphaConfig":
-    return memalpha.MemAlphaConfig(run=str(path), device="cpu", hidden=32, layers=1, heads=2, ffn=64, sft_chunks=2,
+    return memalpha.MemAlphaConfig(run=str(path), device="cpu", hidden=32, layers=1, heads=2, ffn=64, sft_chunks="2",
                                    rl_chunks="2", questions_per_instance=2, sft_steps=4, sft_copy_steps=1, sft_batch=4,
                                    rl_steps=3, instances=1, group=2, max_new_tokens=48, ckpt_every=2, **kw)
 

@@ -95,7 +95,8 @@ class MemAlphaConfig(train.Config):
     answerer: str = flag("", "HF path of r1's frozen answerer (default: a frozen copy after SFT)")
     # the chunk horizon: SFT teaches at --sft-chunks, GRPO may reach past it, memalpha_eval --chunks measures
     # beyond both (the paper trains on inputs up to 30k tokens and evaluates up to 474k)
-    sft_chunks: int = flag(4, "chunks per SFT cold-start instance", min=1)
+    sft_chunks: str = flag("4", "chunks per SFT cold-start instance: A-B or A,B,... (each instance draws its count)",
+                           int_range=True)
     rl_chunks: str = flag("4", "chunks per GRPO instance: A-B or A,B,... (each instance draws its count, uniformly)",
                           int_range=True)
     # Where an instance's days start: a 4-chunk stream reaches day ~12 and a 16-chunk one day ~41, and an answerer
@@ -348,8 +349,12 @@ def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample
     chunk into JSON, and a measured 300-step cold start on all rows wrote one constant memory whatever
     the chunk said (see the README's Mem-alpha section)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
-    insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9), cfg.sft_chunks,
-                               cfg.flaw_p)
+    counts = data.int_range(str(cfg.sft_chunks))
+    if len(counts) > 1:                         # a generator of its own: one count leaves the stream as it was
+        draw = random.Random(cfg.seed * 3_000_017 + step)
+        counts = [draw.choice(counts) for _ in range(cfg.sft_batch)]
+    insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9),
+                               counts[0] if len(counts) == 1 else counts, cfg.flaw_p)
     if step < cfg.sft_copy_steps:
         return [memalpha_expert_samples(tokenizer, MemInstance(inst.chunks[:1], []))[0] for inst in insts]
     rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory,
