@@ -284,11 +284,7 @@ def memalpha_tokenizer(vocab: int = 800, seed: int = 0, kind: str = "bpe"):
 
 def day_ranges(text: str) -> list[tuple[int, int]]:
     """'1-3' -> [(1, 3)]; '1-3,1-60' -> [(1, 3), (1, 60)]; '5' -> [(5, 5)] (``--first-day``)."""
-    out = []
-    for part in text.split(","):
-        a, _, b = part.partition("-")
-        out.append((int(a), int(b or a)))
-    return out
+    return [(days[0], days[-1]) for days in map(data.int_range, text.split(","))]
 
 
 def memalpha_instances(cfg: MemAlphaConfig, world_seed: int, n: int, seed: int, n_chunks: int | list[int],
@@ -299,12 +295,17 @@ def memalpha_instances(cfg: MemAlphaConfig, world_seed: int, n: int, seed: int, 
                                    first_day=day_ranges(cfg.first_day))
 
 
+def chunk_counts(spec: str, n: int, seed: int) -> list[int]:
+    """``n`` chunk counts drawn uniformly from ``spec`` ('A-B' or 'A,B,...') by a generator of their own, so that
+    a single count leaves the instances' stream as it was."""
+    rng = random.Random(seed)
+    counts = data.int_range(spec)
+    return [rng.choice(counts) for _ in range(n)]
+
+
 def rl_chunk_counts(cfg: MemAlphaConfig, step: int) -> list[int]:
-    """GRPO step ``step``'s chunk count per instance, drawn uniformly from ``--rl-chunks`` by a generator of its
-    own, so that a single count leaves the instances' stream as it was."""
-    rng = random.Random(cfg.seed * 5_000_011 + step)
-    counts = data.int_range(cfg.rl_chunks)
-    return [rng.choice(counts) for _ in range(cfg.instances)]
+    """GRPO step ``step``'s chunk count per instance, from ``--rl-chunks``."""
+    return chunk_counts(cfg.rl_chunks, cfg.instances, cfg.seed * 5_000_011 + step)
 
 
 def memalpha_expert_samples(tokenizer, inst: MemInstance, k: int = 3, core_limit: int = 512,
@@ -349,12 +350,8 @@ def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample
     chunk into JSON, and a measured 300-step cold start on all rows wrote one constant memory whatever
     the chunk said (see the README's Mem-alpha section)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
-    counts = data.int_range(str(cfg.sft_chunks))
-    if len(counts) > 1:                         # a generator of its own: one count leaves the stream as it was
-        draw = random.Random(cfg.seed * 3_000_017 + step)
-        counts = [draw.choice(counts) for _ in range(cfg.sft_batch)]
-    insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9),
-                               counts[0] if len(counts) == 1 else counts, cfg.flaw_p)
+    counts = chunk_counts(cfg.sft_chunks, cfg.sft_batch, cfg.seed * 3_000_017 + step)
+    insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9), counts, cfg.flaw_p)
     if step < cfg.sft_copy_steps:
         return [memalpha_expert_samples(tokenizer, MemInstance(inst.chunks[:1], []))[0] for inst in insts]
     rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory,

@@ -25,7 +25,7 @@ import torch
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import SPLIT_SEEDS  # noqa: E402
+from data import SPLIT_SEEDS, int_range  # noqa: E402
 from models import load_model  # noqa: E402
 from recipes.memalpha import answer_contexts  # noqa: E402
 from recipes.memalpha_data import make_memalpha_instances, writer_calls  # noqa: E402
@@ -53,19 +53,18 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.checkpoint)
     model = load_model(args.checkpoint, torch.device("cpu")).eval()
     count = lambda s: len(tok.encode(s, add_special_tokens=False))
-    lo, hi = (int(x) for x in args.first_day.split("-"))
-    insts = lambda n: make_memalpha_instances(SPLIT_SEEDS["test"], args.instances, seed=0, n_chunks=n,
-                                              first_day=(lo, hi))
+    first = int_range(args.first_day)
     for n in args.chunks:
-        rows = []
-        for inst in insts(n):
+        rows, insts = [], make_memalpha_instances(SPLIT_SEEDS["test"], args.instances, seed=0, n_chunks=n,
+                                                  first_day=(first[0], first[-1]))
+        for inst in insts:
             memory = StructuredMemory(512, count, seed=0)
             for chunk in inst.chunks:
                 writer_calls(memory, chunk)
             for q, gold in inst.questions:
                 kind = "when" if q.startswith("when ") else "none" if gold == ["none"] else "relation"
                 rows.append((answerer_messages(memory, q, 3), gold, kind))
-        days = max(c.day for inst in insts(n) for c in inst.chunks)
+        days = max(c.day for inst in insts for c in inst.chunks)
         other = (f"days shifted by {args.shift}", lambda s: shift_days(s, args.shift)) if args.shift else \
             ("days folded into 1-10", fold_days)
         if args.lines:
