@@ -16,8 +16,8 @@ from grpo import collate
 from recipes import memalpha, memalpha_data, memalpha_eval
 from recipes.memalpha import (WriterConfig, content_valid, memalpha_reward, memalpha_rollout, r1_accuracy,
                               r2_call_success, r3_compression, r4_validity)
-from recipes.memalpha_memory import (StructuredMemory, answerer_messages, parse_tool_calls, tool_call_text,
-                                     writer_messages)
+from recipes.memalpha_memory import (StructuredMemory, answerer_messages, execute_tool_calls, parse_tool_calls,
+                                     tool_call_text, writer_messages)
 from reward import em_score
 from rollout import encode_chat
 from sft import sft_loss
@@ -86,6 +86,38 @@ def test_r1_batched_equals_naive_per_question():
     assert em_score(naive[1], ["zzz qqq"]) == 0.0
 
 
+def test_per_chunk_r1_scores_each_chunk_on_the_answers_it_reported_last(monkeypatch):
+    """A reader that answers exactly from the memory it is shown (the answerer SFT's teacher) grades two scripted
+    writers: the never-revising one loses exactly the chunks whose change or end it skipped."""
+    reader = lambda model, tok, message_lists, *a: [
+        memalpha_data.memory_answer(m[1]["content"], m[1]["content"].rsplit("question: ", 1)[1]) for m in message_lists]
+    monkeypatch.setattr(memalpha, "answer_contexts", reader)
+    inst = memalpha_data.MemInstance([
+        memalpha_data.Chunk("day 4 : kalo boss mira . kalo met tebo .", 4,
+                            [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")]),
+        memalpha_data.Chunk("day 6 : lapu friend zena . kalo boss is now pigo .", 6,
+                            [("fact", "lapu", "friend", "zena"), ("change", "kalo", "boss", "pigo")]),
+        memalpha_data.Chunk("day 7 : lapu friend ended .", 7, [("end", "lapu", "friend", "")])],
+        [("kalo boss ?", ["pigo"]), ("when kalo met tebo ?", ["day 4"])])
+    rolls = []
+    for flawed in (False, True):
+        script, mem, steps = StructuredMemory(seed=0), StructuredMemory(seed=0), []
+        for c in inst.chunks:
+            calls = parse_tool_calls(memalpha_data.writer_calls(script, c, flawed))
+            steps.append(memalpha.ChunkStep([], [], "", calls, execute_tool_calls(mem, calls)))
+        rolls.append(memalpha.MemRollout(0, mem, steps))
+    tok = memalpha_data.build_memalpha_tokenizer()
+    rw = memalpha.memalpha_rewards(None, tok, rolls, [inst], r1_per_chunk=True)
+    assert rw["r1"] == [1.0, 0.5]
+    assert rw["r1_chunk"] == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    for i in range(2):
+        assert rw["reward"][i] == pytest.approx([memalpha_reward(x, a, rw["r3"][i], b) for x, a, b in
+                                                 zip(rw["r1_chunk"][i], rw["r2"][i], rw["r4"][i])])
+    shared = memalpha.memalpha_rewards(None, tok, rolls, [inst])                   # the paper's: one r1 a rollout
+    assert shared["r1_chunk"] == [[1.0] * 3, [0.5] * 3] and shared["r1"] == rw["r1"]
+    assert shared["r2"] == rw["r2"] and shared["r4"] == rw["r4"]
+
+
 # --------------------------------------------------------------------------- the chunked loop
 
 
@@ -146,14 +178,22 @@ def test_one_memalpha_step_changes_weights():
     assert max((model.state_dict()[k] - before[k]).abs().max().item() for k in before) > 0
 
 
-def test_equal_rewards_give_no_update():
+def test_step_groups_per_instance_or_per_instance_and_chunk():
+    rolls = [memalpha.MemRollout(g, StructuredMemory(), [None] * n) for g, n in [(0, 2), (0, 2), (1, 3), (1, 3)]]
+    assert memalpha.step_groups(rolls) == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    assert memalpha.step_groups(rolls, per_chunk=True) == [0, 1, 0, 1, 3, 4, 5, 3, 4, 5]
+
+
+@pytest.mark.parametrize("r1", ["rollout", "chunk"])
+def test_equal_rewards_give_no_update(r1):
     tok = bpe()
-    cfg = memalpha.MemAlphaConfig(questions_per_instance=2, instances=1, group=2, max_new_tokens=8)
+    cfg = memalpha.MemAlphaConfig(questions_per_instance=2, instances=1, group=2, max_new_tokens=8, r1=r1)
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)   # never writes a call
     before = copy.deepcopy(model.state_dict())
     m = memalpha.memalpha_step(model, model, tok, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg, 0,
                             instances=memalpha.memalpha_instances(cfg, 11, 1, 0, 2))
     assert m["skipped"] == "all advantages are zero" and m["reward"] == pytest.approx(0.05)
+    assert m["r1_chunk"] == m["r1"] == 0.0
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
 
 

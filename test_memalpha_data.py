@@ -104,6 +104,23 @@ def test_perfect_writer_answers_everything_and_the_flaw_fails_changes():
     assert n_q - right[True] >= n_change > 10        # the flawed writer misses at least each change question
 
 
+def test_chunk_probes_belong_to_the_chunk_that_reported_the_answer_last():
+    inst = memalpha_data.MemInstance([
+        memalpha_data.Chunk("", 4, [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")]),
+        memalpha_data.Chunk("", 6, [("fact", "lapu", "friend", "zena"), ("change", "kalo", "boss", "pigo")]),
+        memalpha_data.Chunk("", 7, [("end", "lapu", "friend", "")]),
+        memalpha_data.Chunk("no reports", None, [])], [])
+    assert memalpha_data.chunk_probes(inst) == [[("when kalo met tebo ?", ["day 4"])],
+                                                [("kalo boss ?", ["pigo"])],
+                                                [("lapu friend ?", ["none"])], []]
+    for inst in memalpha_data.make_memalpha_instances(5, 30, seed=2, n_chunks=[2, 4, 8] * 10):
+        probes = memalpha_data.chunk_probes(inst)
+        assert len(probes) == len(inst.chunks) and all(probes)      # every chunk reports a fact or an event
+        flat = [p for ps in probes for p in ps]
+        assert len(flat) == len({q for q, _ in flat})               # each question in one chunk only
+        assert all((q, g) in flat for q, g in inst.questions)      # the instance's questions, same gold
+
+
 def test_memory_answer_reads_only_the_memory():
     view = "core: x y z\nsemantic: kalo boss mira\nepisodic: on day 3 kalo met tebo\nquestion: lapu boss ?"
     assert memalpha_data.memory_answer(view, "kalo boss ?") == "mira"

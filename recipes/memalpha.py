@@ -33,7 +33,9 @@ the evaluation against the raw-chunk baselines in ``recipes/memalpha_eval.py``.
 * r1 (per trajectory): QA accuracy of a FROZEN answerer given the FINAL memory, as
   ``answerer_messages`` shows it (core + BM25 top-k of each store, question as query);
   greedy, one batched ``generate`` for every (memory, question) pair; metric = exact match after
-  SQuAD normalisation against any alias (``em_score``).
+  SQuAD normalisation against any alias (``em_score``). With ``--r1 chunk``, chunk step t's r1 is that
+  accuracy on the questions whose answer chunk t reported last (every fact's latest value and every event,
+  ``chunk_probes``), and a group is chunk t of an instance's rollouts: credit for what chunk t's calls kept.
 * r2_t: successful calls / calls in chunk t (malformed ones count as calls); 0 with no calls.
 * r3 (per trajectory): 1 - memory tokens / chunk tokens (both counted by the same tokenizer); not
   clipped, so a memory larger than its input is negative; 0 when there are no chunk tokens.
@@ -63,9 +65,9 @@ from engine import generate
 from flags import flag
 from grpo import Sample, grouped_advantage
 from models import load_model, pick_device
-from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunks_answer, chunks_messages,
-                                   long_context_chunks, make_memalpha_instances, max_chunks, memalpha_texts,
-                                   memory_answer, rag_chunks, writer_calls)
+from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunk_probes, chunks_answer,
+                                   chunks_messages, long_context_chunks, make_memalpha_instances, max_chunks,
+                                   memalpha_texts, memory_answer, rag_chunks, writer_calls)
 from recipes.memalpha_memory import (WRITER_SYSTEM, StructuredMemory, ToolCall, answerer_messages,
                                      execute_tool_calls, parse_tool_calls, writer_messages)
 from reward import em_score
@@ -113,6 +115,12 @@ class MemAlphaConfig(train.Config):
     instances: int = flag(8, "instances per GRPO step", min=1)
     top_k_memory: int = flag(3, "BM25 top-k of each store for r1", min=1)
     context_tokens: int = flag(64, "long-context baseline's chunk-token window (its SFT answerer rows use it)", min=1)
+    # rollout: r1 is one number per rollout, so a group cannot tell a chunk copied right from one garbled
+    # (results/MEMALPHA.md section 12 measures the other)
+    r1: str = flag("rollout", "rollout: every chunk step's r1 is the rollout's accuracy on the instance's questions, "
+                              "advantages grouped per instance (the paper's) | chunk: chunk t's r1 is the accuracy "
+                              "on the questions whose answer chunk t reported last, advantages grouped per "
+                              "(instance, chunk)", choices=("rollout", "chunk"))
     beta: float = flag(0.05, "weight of r3 (compression)", min=0)
     gamma: float = flag(0.1, "weight of r4 (content validity)", min=0)
     ckpt_every: int = flag(100, "steps (SFT or GRPO) between checkpoints in RUN/ckpt (0: only when SFT ends)", min=0)
@@ -242,32 +250,55 @@ def answer_contexts(model, tokenizer, message_lists: list[list[dict]], max_new_t
     return out
 
 
-def r1_accuracy(model, tokenizer, memories: list, questions: list[list[tuple[str, list[str]]]], k: int = 3,
-                max_new_tokens: int = 16, batch: int = 256) -> list[float]:
-    """Per memory: share of its ``(question, aliases)`` the frozen answerer gets exactly right (greedy)."""
+def qa_hits(model, tokenizer, memories: list, questions: list[list[tuple[str, list[str]]]], k: int = 3,
+            max_new_tokens: int = 16, batch: int = 256) -> list[list[float]]:
+    """Per memory, per ``(question, aliases)``: 1.0 when the frozen answerer's greedy answer is an exact match."""
     pairs = [(i, q, golds) for i, qs in enumerate(questions) for q, golds in qs]
     preds = answer_contexts(model, tokenizer, [answerer_messages(memories[i], q, k) for i, q, _ in pairs],
                             max_new_tokens, batch)
     hits = [[] for _ in memories]
     for (i, _, golds), p in zip(pairs, preds):
         hits[i].append(em_score(p, golds))
-    return [sum(h) / len(h) if h else 0.0 for h in hits]
+    return hits
+
+
+def r1_accuracy(model, tokenizer, memories: list, questions: list[list[tuple[str, list[str]]]], k: int = 3,
+                max_new_tokens: int = 16, batch: int = 256) -> list[float]:
+    """Per memory: share of its ``(question, aliases)`` the frozen answerer gets exactly right (greedy)."""
+    return [sum(h) / len(h) if h else 0.0
+            for h in qa_hits(model, tokenizer, memories, questions, k, max_new_tokens, batch)]
 
 
 def memalpha_rewards(answerer, tokenizer, rollouts: list, instances: list, k: int = 3, beta: float = 0.05,
-                     gamma: float = 0.1, max_new_tokens: int = 16) -> dict:
-    """Every component for ``MemRollout`` s: r1 / r3 per rollout, r2 / r4 / reward per chunk step."""
-    r1 = r1_accuracy(answerer, tokenizer, [r.memory for r in rollouts],
-                     [instances[r.group_id].questions for r in rollouts], k, max_new_tokens)
+                     gamma: float = 0.1, max_new_tokens: int = 16, r1_per_chunk: bool = False) -> dict:
+    """Every component for ``MemRollout`` s: r1 / r3 per rollout, r2 / r4 / reward per chunk step.
+
+    ``r1_per_chunk``: chunk step t's reward uses r1_t, the answerer's accuracy from the FINAL memory on the
+    questions whose answer chunk t reported last (``chunk_probes``), instead of the rollout's r1; a chunk with
+    no such questions keeps the rollout's r1. ``r1`` stays the rollout's accuracy on the instance's questions."""
+    asked = [instances[r.group_id].questions for r in rollouts]
+    probes = [chunk_probes(instances[r.group_id]) if r1_per_chunk else [] for r in rollouts]
+    hits = qa_hits(answerer, tokenizer, [r.memory for r in rollouts],
+                   [q + [p for ps in pr for p in ps] for q, pr in zip(asked, probes)], k, max_new_tokens)
+    mean = lambda xs, empty: sum(xs) / len(xs) if xs else empty
+    r1 = [mean(h[:len(q)], 0.0) for h, q in zip(hits, asked)]
+    r1_chunk = []
+    for i, r in enumerate(rollouts):
+        at, per = len(asked[i]), []
+        for ps in probes[i] or [[] for _ in r.steps]:
+            per.append(mean(hits[i][at:at + len(ps)], r1[i]))
+            at += len(ps)
+        r1_chunk.append(per)
     count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
     chunk_tokens = [sum(count(c.text) for c in inst.chunks) for inst in instances]
     mem_tokens = [r.memory.n_tokens() for r in rollouts]
     r3 = [r3_compression(m, chunk_tokens[r.group_id]) for m, r in zip(mem_tokens, rollouts)]
     r2 = [[r2_call_success(s.results) for s in r.steps] for r in rollouts]
     r4 = [[r4_validity(s.calls) for s in r.steps] for r in rollouts]
-    reward = [[memalpha_reward(r1[i], a, r3[i], b, beta, gamma) for a, b in zip(r2[i], r4[i])]
+    reward = [[memalpha_reward(c, a, r3[i], b, beta, gamma) for c, a, b in zip(r1_chunk[i], r2[i], r4[i])]
               for i in range(len(rollouts))]
-    return {"r1": r1, "r2": r2, "r3": r3, "r4": r4, "reward": reward, "mem_tokens": mem_tokens}
+    return {"r1": r1, "r1_chunk": r1_chunk, "r2": r2, "r3": r3, "r4": r4, "reward": reward,
+            "mem_tokens": mem_tokens}
 
 
 # --------------------------------------------------------------------------- SFT rows, the GRPO step, the run
@@ -360,6 +391,13 @@ def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample
     return rng.sample(rows, cfg.sft_batch)
 
 
+def step_groups(rollouts: list, per_chunk: bool = False) -> list[int]:
+    """The advantage group of every chunk step, rollout by rollout: its instance, or with ``per_chunk`` its
+    (instance, chunk index), so chunk t is compared only with chunk t of the same instance's other rollouts."""
+    n = max(len(r.steps) for r in rollouts)
+    return [r.group_id * n + t if per_chunk else r.group_id for r in rollouts for t in range(len(r.steps))]
+
+
 def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, step: int, instances=None) -> dict:
     """One GRPO step: rollouts -> r1..r4 -> advantages grouped per instance over chunk steps -> ppo_update."""
     if instances is None:
@@ -373,13 +411,17 @@ def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, st
                              WriterConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature), gen)
     m: dict = {"stage": "rl", "step": step, "sec_rollout": time.time() - t0}
     t0 = time.time()
-    rw = memalpha_rewards(answerer, tokenizer, rolls, instances, cfg.top_k_memory, cfg.beta, cfg.gamma)
-    steps = [(r.group_id, s, x) for r, xs in zip(rolls, rw["reward"]) for s, x in zip(r.steps, xs)]
+    per_chunk = cfg.r1 == "chunk"
+    rw = memalpha_rewards(answerer, tokenizer, rolls, instances, cfg.top_k_memory, cfg.beta, cfg.gamma,
+                          r1_per_chunk=per_chunk)
+    pairs = [(s, x) for r, xs in zip(rolls, rw["reward"]) for s, x in zip(r.steps, xs)]
+    steps = [(g, s, x) for g, (s, x) in zip(step_groups(rolls, per_chunk), pairs)]
     # float64: equal rewards must give exactly-zero advantages, not float32 noise / (std + eps)
     adv = grouped_advantage(torch.tensor([x for _, _, x in steps], dtype=torch.float64),
                             torch.tensor([g for g, _, _ in steps]))
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
     m.update(reward=mean([x for _, _, x in steps]), r1=mean(rw["r1"]), r3=mean(rw["r3"]),
+             r1_chunk=mean([x for xs in rw["r1_chunk"] for x in xs]),
              r2=mean([x for xs in rw["r2"] for x in xs]), r4=mean([x for xs in rw["r4"] for x in xs]),
              mem_tokens=mean(rw["mem_tokens"]), calls=mean([len(s.calls) for _, s, _ in steps]),
              chunks=mean([len(inst.chunks) for inst in instances]),

@@ -144,6 +144,23 @@ def make_memalpha_instance(world: World, rng: random.Random, n_chunks: int = 4, 
     return MemInstance(chunks, qs[:n_questions], rng.random() < flaw_p)
 
 
+def chunk_probes(inst: MemInstance) -> list[list[tuple[str, list[str]]]]:
+    """Per chunk, the questions whose answer that chunk reported LAST, in the instance questions' form: every
+    fact's latest value (``none`` after ``ended``) belongs to the chunk that last reported the fact, every event
+    to the chunk that reported it. A chunk without reports (an instance read from a file) has none."""
+    last: dict[tuple[str, str], tuple[int, str]] = {}
+    probes: list[list[tuple[str, list[str]]]] = [[] for _ in inst.chunks]
+    for c, chunk in enumerate(inst.chunks):
+        for kind, s, r, o in chunk.reports:
+            if kind == "event":
+                probes[c].append((f"when {s} {r} {o} ?", [f"day {chunk.day}"]))
+            else:
+                last[(s, r)] = (c, NONE_ANSWER if kind == "end" else o)
+    for (s, r), (c, value) in last.items():
+        probes[c].append((f"{s} {r} ?", [value]))
+    return probes
+
+
 def report_text(report: tuple) -> str:
     kind, s, r, o = report
     return {"fact": f"{s} {r} {o} .", "change": f"{s} {r} is now {o} .", "end": f"{s} {r} ended .",
