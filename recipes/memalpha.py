@@ -277,18 +277,18 @@ def memalpha_rewards(answerer, tokenizer, rollouts: list, instances: list, k: in
     questions whose answer chunk t reported last (``chunk_probes``), instead of the rollout's r1; a chunk with
     no such questions keeps the rollout's r1. ``r1`` stays the rollout's accuracy on the instance's questions."""
     asked = [instances[r.group_id].questions for r in rollouts]
-    probes = [chunk_probes(instances[r.group_id]) if r1_per_chunk else [] for r in rollouts]
+    probes = [chunk_probes(inst) if r1_per_chunk else [] for inst in instances]       # once per instance
     hits = qa_hits(answerer, tokenizer, [r.memory for r in rollouts],
-                   [q + [p for ps in pr for p in ps] for q, pr in zip(asked, probes)], k, max_new_tokens)
+                   [q + [p for ps in probes[r.group_id] for p in ps] for q, r in zip(asked, rollouts)], k,
+                   max_new_tokens)
     mean = lambda xs, empty: sum(xs) / len(xs) if xs else empty
     r1 = [mean(h[:len(q)], 0.0) for h, q in zip(hits, asked)]
-    r1_chunk = []
+    r1_chunk = [[x] * len(r.steps) for x, r in zip(r1, rollouts)]                     # the paper's: one a rollout
     for i, r in enumerate(rollouts):
-        at, per = len(asked[i]), []
-        for ps in probes[i] or [[] for _ in r.steps]:
-            per.append(mean(hits[i][at:at + len(ps)], r1[i]))
+        at = len(asked[i])
+        for t, ps in enumerate(probes[r.group_id]):
+            r1_chunk[i][t] = mean(hits[i][at:at + len(ps)], r1[i])
             at += len(ps)
-        r1_chunk.append(per)
     count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
     chunk_tokens = [sum(count(c.text) for c in inst.chunks) for inst in instances]
     mem_tokens = [r.memory.n_tokens() for r in rollouts]
