@@ -419,20 +419,23 @@ def test_probe_think_auto_is_the_marker_the_policy_learnt(tmp_path):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["probe_think"] == "probe"
 
 
-def test_outcome_all_ranks_by_every_objective_right(sft_run, monkeypatch):
-    """--outcome all: the advantage sees 1 only where all K objectives are right (score_answer's em)."""
+def test_outcome_all_ranks_by_every_objective_right_and_searched_scores_early_answers_0(sft_run, monkeypatch):
+    """--outcome all: the advantage sees 1 only where all K objectives are right (score_answer's em); searched:
+    the share, but 0 where the answer came after fewer searches than the question's hops."""
     model, tok = load(sft_run / "final")
     seen = []
     monkeypatch.setattr(train, "outcome_reward", lambda t: {"score": 0.5, "em": float(t.group_id % 2), "f1": 0.5,
                                                               "valid": True, "reason": "ok"})
+    monkeypatch.setattr(train.data, "early_answer", lambda t: float(t.group_id % 2 == 0))
     monkeypatch.setattr(train, "grouped_advantage", lambda scores, gids, **kw: seen.append((scores, gids)) or
                         grpo.grouped_advantage(scores, gids, **kw))
-    for outcome in ("share", "all"):
+    for outcome in ("share", "all", "searched"):
         cfg = train.parse_args(RL_ARGS + ["--outcome", outcome, "--lr", "1e-9"])
         m = train.rl_step(model, None, tok, torch.optim.AdamW(model.parameters(), lr=0.0), cfg, 0,
                           train.agent_config(cfg))
         scores, gids = seen[-1]
-        expect = (gids % 2).float() if outcome == "all" else torch.full_like(scores, 0.5)
+        expect = {"share": torch.full_like(scores, 0.5), "all": (gids % 2).float(),
+                  "searched": (gids % 2).float() * 0.5}[outcome]
         assert torch.equal(scores, expect) and m["f1"] == 0.5
         assert m["zero_var_frac"] == 1.0            # each group's rollouts share one group id, so one score
 

@@ -83,8 +83,12 @@ class Config:
     rl_hops: str = flag("1-3", "hops per objective in RL", int_range=True)
     # share: a K = 4 group rarely ties, so GRPO has a gradient almost everywhere; all leaves the memory
     # advantage alone on the groups that all fail or all succeed
+    # searched: under share, an answer after the first objective's chain scores 1/K, so RL past the SFT's horizon
+    # learns to answer before the last hop (results/STUDIES.md)
     outcome: str = flag("share", "outcome score the advantage ranks: share (objectives answered right / K) | all "
-                                 "(1 only when all K are right)", choices=("share", "all"))
+                                 "(1 only when all K are right) | searched (share, but 0 for an answer given after "
+                                 "fewer searches than the question has hops; embedded world, else share)",
+                        choices=("share", "all", "searched"))
     # a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std (none: no
     # better, results/STUDIES.md)
     outcome_norm: str = flag("std", "outcome advantage: std ((score - group mean) / group std, GRPO's) | none "
@@ -324,6 +328,8 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         outs = [outcome_reward(t) for t in trajs]
         if cfg.outcome == "all":
             outs = [{**o, "score": o["em"]} for o in outs]
+        elif cfg.outcome == "searched":
+            outs = [{**o, "score": 0.0} if data.early_answer(t) == 1.0 else o for o, t in zip(outs, trajs)]
         gids = torch.tensor([t.group_id for t in trajs])
         adv_t = grouped_advantage(torch.tensor([o["score"] for o in outs]), gids, norm_by_std=cfg.outcome_norm == "std")
         if cfg.algo == "mempo":
