@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import checkpoint
 import data
 import grpo
+import metrics
 import reward
 import rollout
 import sft
@@ -346,12 +347,12 @@ def test_group_stats_and_zero_variance_metrics():
     mem = {"rewards": [[0.1, 0.0], [0.3], [0.2], [0.2], [0.4], [0.5]]}
     gids = [0, 0, 1, 1, 2, 2]
     ks = [2, 2, 3, 3, 1, 1]
-    stats = train.group_stats(outs, mem, gids, ks)
+    stats = metrics.group_stats(outs, mem, gids, ks)
     assert stats == [(True, True, 2), (True, False, 3), (False, True, 1)]
-    assert train.group_stats(outs, None, gids, ks) == [(True, False, 2), (True, False, 3), (False, False, 1)]
+    assert metrics.group_stats(outs, None, gids, ks) == [(True, False, 2), (True, False, 3), (False, False, 1)]
     v = {"outs": outs, "turns": [1] * 6, "tokens": [10], "early": [], "k": ks, "groups": stats,
          "search_failures": [0]}
-    m = train.step_metrics(v)
+    m = metrics.step_metrics(v)
     assert m["zero_var_frac"] == pytest.approx(2 / 3)
     assert m["zero_var_mem_frac"] == pytest.approx(1 / 3)
     assert (m["score_k1"], m["score_k2"], m["score_k3"]) == (0.5, 1.0, 0.0)

@@ -11,10 +11,10 @@ written on each round's <mem> span (grpo.py); a clipped PPO update on every roun
 prefix + output`` (loss mask 1 on the output), the whole batch's token count as denominator (``ppo_update``).
 Each choice of this project sits with its reason at the field or function it sets (measured: results/STUDIES.md).
 
-Elsewhere: the KL reference, checkpoints, ``--resume`` and ``--report-to`` (checkpoint.py), LoRA (models.py),
-torchrun (dist.py), what each flag accepts (flags.py), the SFT rows (sft.py), the other recipes (recipes/). The
-system prompt: the embedded world's, ``rollout.PROTOCOL_PROMPT`` for a model from elsewhere, a checkpoint's
-``system_prompt.txt`` or ``--system-prompt FILE``.
+Elsewhere: what each step logs (metrics.py), the KL reference, checkpoints, ``--resume`` and ``--report-to``
+(checkpoint.py), LoRA (models.py), torchrun (dist.py), what each flag accepts (flags.py), the SFT rows (sft.py),
+the other recipes (recipes/). The system prompt: the embedded world's, ``rollout.PROTOCOL_PROMPT`` for a model
+from elsewhere, a checkpoint's ``system_prompt.txt`` or ``--system-prompt FILE``.
 """
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ import checkpoint
 import data
 import dist
 import viz
+from metrics import metric_values, step_metrics
 from flags import FlagParser, flag
-from grpo import (Sample, collate, grouped_advantage, memory_advantage, memory_pool_weights, micro_batches,
-                  policy_loss, token_advantages, token_logprobs)
+from grpo import (Sample, collate, grouped_advantage, memory_advantage, micro_batches, policy_loss,
+                  token_advantages, token_logprobs)
 from models import LORA_TARGETS, autocast, is_lora, load_pretrained
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
@@ -340,7 +341,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
                                        std_floor=cfg.mem_std_floor)
         m["sec_reward"] = time.time() - t0
 
-    v = metric_values(trajs, outs, mem, gids.tolist(), cfg, mem_adv) | {"search_failures": [tool.failures - failures0]}
+    v = metric_values(trajs, outs, mem, gids.tolist(), mem_adv, cfg.mem_adv_norm) | {"search_failures": [tool.failures - failures0]}
     m.update(step_metrics(dist.gather_metrics(v)))
     t0 = time.time()
     m.update(ppo_update(model, ref_model, optimizer, build_samples(trajs, adv_t, mem, mem_adv), cfg,
@@ -452,82 +453,6 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
         if losses:      # the last pass's mean over its optimizer steps
             m.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms))
     return m | dict(zip(stats, dist.all_sum(list(stats.values()))))
-
-
-# --------------------------------------------------------------------------- the step's metrics
-
-def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], cfg: Config,
-                  mem_adv: list[list[float]] | None) -> dict[str, list]:
-    """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``)."""
-    v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
-         "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
-         "early": [e for e in (data.early_answer(t) for t in trajs) if e is not None],
-         "k": [len(t.golds) for t in trajs],
-         "groups": group_stats(outs, mem, group_ids, [len(t.golds) for t in trajs])}
-    if mem is not None:
-        # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
-        v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
-              "mask_mem": mem["mask_mem"], "mask_full": mem["mask_full"], "empty": [mem["empty_frac"] * mem["n"]],
-              "no_signal": [mem["no_signal_frac"] * mem["n"]]}
-        # each pool's (std, sum |A_M|): the stds the advantages are divided by, and where their magnitude goes
-        pool_w = memory_pool_weights(mem["rewards"], mem_adv, group_ids, mem["rounds"], cfg.mem_adv_norm)
-        no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
-        v |= {"pool_std": [s for s, _ in pool_w], "pool_w": pool_w,
-              "adv_ns": list(zip(no_signal, [a for r in mem_adv for a in r]))}
-    return v
-
-
-def group_stats(outs: list[dict], mem: dict | None, group_ids: list[int],
-                ks: list[int]) -> list[tuple[bool, bool, int]]:
-    """Per group: (every rollout scored the same, its memory rewards still differ, its objective count K).
-
-    A group of equal scores gets outcome advantage 0 on every token (GRPO learns nothing from it); its
-    memory rewards, where they differ, are the only signal MemPO has there."""
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        members.setdefault(g, []).append(i)
-    stats = []
-    for idx in members.values():
-        flat = {outs[i]["score"] for i in idx}
-        rewards = {x for i in idx for x in mem["rewards"][i]} if mem is not None else set()
-        stats.append((len(flat) == 1, len(rewards) > 1, ks[idx[0]]))
-    return stats
-
-
-def step_metrics(v: dict[str, list]) -> dict:
-    """The step's metrics from ``metric_values`` (every rank's, concatenated): outcome, format, length, memory."""
-    outs, mean = v["outs"], lambda xs: sum(xs) / len(xs) if xs else 0.0
-    scores = torch.tensor([o["score"] for o in outs])
-    m = dict(score=scores.mean().item(), score_std=scores.std().item() if len(scores) > 1 else 0.0,
-             em=sum(o["em"] for o in outs) / len(outs), f1=sum(o["f1"] for o in outs) / len(outs),
-             valid=sum(o["valid"] for o in outs) / len(outs), turns=sum(v["turns"]) / len(v["turns"]),
-             tokens=sum(v["tokens"]), search_failures=sum(v["search_failures"]))
-    groups = v["groups"]
-    m["zero_var_frac"] = sum(z for z, _, _ in groups) / len(groups)
-    m["zero_var_mem_frac"] = sum(z and d for z, d, _ in groups) / len(groups)   # where only the memory reward ranks
-    for k in sorted(set(v["k"])):                                              # score per objective count K
-        m[f"score_k{k}"] = mean([o["score"] for o, kk in zip(outs, v["k"]) if kk == k])
-        m[f"zero_var_k{k}"] = mean([z for z, _, kk in groups if kk == k])
-        m[f"zero_var_mem_k{k}"] = mean([z and d for z, d, kk in groups if kk == k])
-    if v["early"]:                      # embedded world: answered after fewer searches than the question's hops
-        m["early_frac"] = sum(v["early"]) / len(v["early"])
-    if "mem" in v:
-        flat, n_empty, n_none = v["mem"], sum(v["empty"]), sum(v["no_signal"])
-        # pool_std: the mean over the advantage's pools (per question; per round / nonzero as --mem-adv-norm)
-        m.update(mem_reward=mean(flat), p_mem=mean(v["p_mem"]), p_full=mean(v["p_full"]),
-                 mask_mem=mean(v["mask_mem"]), mask_full=mean(v["mask_full"]),
-                 empty_frac=n_empty / len(flat) if flat else 0.0, no_signal_frac=n_none / len(flat) if flat else 0.0,
-                 mem_rounds=len(flat), pool_std=mean(v["pool_std"]))
-    if "pool_w" in v:                   # where the memory advantage's magnitude goes
-        stds, total = sorted(s for s, _ in v["pool_w"]) or [0.0], sum(w for _, w in v["pool_w"]) or 1.0
-        m["pool_std_p10"], m["pool_std_p50"] = stds[len(stds) // 10], stds[len(stds) // 2]
-        for thr, name in ((0.01, "01"), (0.05, "05")):      # share of sum |A_M| from pools of spread below thr
-            m[f"mem_adv_share_std{name}"] = sum(w for s, w in v["pool_w"] if s < thr) / total
-        ns, every = [a for none, a in v["adv_ns"] if none], [abs(a) for _, a in v["adv_ns"]]
-        m["mem_adv_abs"] = mean(every)
-        m["mem_adv_no_signal"] = mean(ns)                   # > 0: rounds with nothing to keep are pushed up
-        m["mem_adv_no_signal_share"] = sum(abs(a) for a in ns) / (sum(every) or 1.0)
-    return m
 
 
 # --------------------------------------------------------------------------- the RL loop
