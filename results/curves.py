@@ -10,7 +10,8 @@ to the start (``--log-kl``), the training score (a 20-step window) and the share
     python results/curves.py --arm mempo=runs/all/mempo_s0,runs/all/mempo_s1 \
         --arm grpo=runs/all/grpo_s0,runs/all/grpo_s1 --out results/curves_all
 
-writes OUT/curves.json, OUT/curves.txt (the tables) and, with matplotlib, OUT/curves.png (bands: 95% intervals).
+writes OUT/curves.json, OUT/curves.txt (the tables) and, with matplotlib, OUT/curves.png (bands: 95% intervals;
+``--also NAME=OTHER_OUT`` adds an earlier call's curves as a second row, two settings in one figure).
 """
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ def main(argv=None) -> None:
     p.add_argument("--objectives", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--tasks", type=int, default=64)
     p.add_argument("--out", required=True)
+    p.add_argument("--label", default="", help="the setting's name in the figure (default: OUT's folder name)")
+    p.add_argument("--also", action="append", default=[], metavar="NAME=OUT",
+                   help="another setting's OUT (its curves.json) as a second row of the figure")
     args = p.parse_args(argv)
     arms = {a.split("=", 1)[0]: a.split("=", 1)[1].split(",") for a in args.arm}
     curves = {name: [run_curve(r, args.objectives, args.tasks) for r in runs] for name, runs in arms.items()}
@@ -99,6 +103,15 @@ def main(argv=None) -> None:
     print(text)
     open(os.path.join(args.out, "curves.txt"), "w").write(text + "\n")
     json.dump(out | {"curves": curves}, open(os.path.join(args.out, "curves.json"), "w"), indent=1)
+    setting = args.label or os.path.basename(os.path.normpath(args.out))
+    rows = [(setting, out)] + [(a.split("=", 1)[0], json.load(open(os.path.join(a.split("=", 1)[1], "curves.json"))))
+                               for a in args.also]
+    plot(rows, os.path.join(args.out, "curves.png"))
+
+
+def plot(rows: list[tuple[str, dict]], path: str) -> None:
+    """One row of panels per setting: F1 K=2, F1 K=3-4, KL, training score (each arm's mean and 95% band), and the
+    last arm minus the first over K=3-4, paired run by run (its 95% band)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -106,21 +119,27 @@ def main(argv=None) -> None:
     except ImportError:
         print("matplotlib is not installed: no figure")
         return
-    shown = [v for v in views if v[0] in ("F1 K=2", "F1 K=3-4", "KL to the start", "training score (20 steps)")]
-    fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3.2))
-    for ax, (title, _, _) in zip(axes, shown):
-        for a in names:
-            m = [out["views"][title][s][a][0] for s in steps]
-            h = [out["views"][title][s][a][1] for s in steps]
-            ax.plot(steps, m, marker="o", label=a)
-            ax.fill_between(steps, [x - y for x, y in zip(m, h)], [x + y for x, y in zip(m, h)], alpha=0.2)
-        ax.set_title(title)
-        ax.set_xlabel("RL step")
-    axes[0].legend()
+    titles = ["F1 K=2", "F1 K=3-4", "KL to the start", "training score (20 steps)", "F1 K=3-4"]
+    fig, axes = plt.subplots(len(rows), len(titles), figsize=(3.6 * len(titles), 3.2 * len(rows)), squeeze=False)
+    for row, (setting, out) in zip(axes, rows):
+        steps, names = out["steps"], list(out["arms"])
+        for i, (ax, title) in enumerate(zip(row, titles)):
+            view = {int(s): cells for s, cells in out["views"][title].items()}     # JSON keys are strings
+            paired = i == len(titles) - 1          # the last panel: the paired difference, last arm - first
+            for a in ["diff"] if paired else names:
+                m, h = [view[s][a][0] for s in steps], [view[s][a][1] for s in steps]
+                line, = ax.plot(steps, m, marker="o", label=a, color="k" if paired else None)
+                ax.fill_between(steps, [x - y for x, y in zip(m, h)], [x + y for x, y in zip(m, h)], alpha=0.2,
+                                color=line.get_color())
+            if paired:
+                ax.axhline(0, color="grey", lw=0.8)
+                title = f"{title}: {names[-1]} - {names[0]}, paired"
+            ax.set_title(f"{setting}: {title}" if len(rows) > 1 else title, fontsize=9)
+            ax.set_xlabel("RL step")
+        row[0].legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "curves.png"), dpi=90)
-    print("figure:", os.path.join(args.out, "curves.png"))
-
+    fig.savefig(path, dpi=90)
+    print("figure:", path)
 
 if __name__ == "__main__":
     main()
