@@ -21,11 +21,11 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
                   mem_adv_norm: str = "std") -> dict[str, list]:
     """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``);
     ``mem_adv_norm``: how the memory advantage pooled its rewards (``grpo.memory_advantage``'s ``norm``)."""
+    ks = [len(t.golds) for t in trajs]
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
          "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
          "early": [e for e in (data.early_answer(t) for t in trajs) if e is not None],
-         "k": [len(t.golds) for t in trajs],
-         "groups": group_stats(outs, mem, group_ids, [len(t.golds) for t in trajs])}
+         "k": ks, "groups": group_stats(outs, mem, group_ids, ks)}
     if mem is not None:
         # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
         v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],

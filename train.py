@@ -34,10 +34,10 @@ import checkpoint
 import data
 import dist
 import viz
-from metrics import metric_values, step_metrics
 from flags import FlagParser, flag
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, micro_batches, policy_loss,
                   token_advantages, token_logprobs)
+from metrics import metric_values, step_metrics
 from models import LORA_TARGETS, autocast, is_lora, load_pretrained
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
@@ -341,7 +341,8 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
                                        std_floor=cfg.mem_std_floor)
         m["sec_reward"] = time.time() - t0
 
-    v = metric_values(trajs, outs, mem, gids.tolist(), mem_adv, cfg.mem_adv_norm) | {"search_failures": [tool.failures - failures0]}
+    v = metric_values(trajs, outs, mem, gids.tolist(), mem_adv, cfg.mem_adv_norm)
+    v["search_failures"] = [tool.failures - failures0]
     m.update(step_metrics(dist.gather_metrics(v)))
     t0 = time.time()
     m.update(ppo_update(model, ref_model, optimizer, build_samples(trajs, adv_t, mem, mem_adv), cfg,

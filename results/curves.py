@@ -141,5 +141,6 @@ def plot(rows: list[tuple[str, dict]], path: str) -> None:
     fig.savefig(path, dpi=90)
     print("figure:", path)
 
+
 if __name__ == "__main__":
     main()
