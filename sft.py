@@ -215,14 +215,24 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
         n_rounds = len(data.expert_episode(task))                        # the same count with or without forgetting
         picked = set(rng.sample(range(n_rounds), min(n_rounds, 4)))      # a few rounds per episode: more episodes
         forget = rng.random() < cfg.forget_p
+        context = episode_context(cfg, rng)
         turns = expert_turns(task, tool, forget)                         # searched once for both kinds of row
         out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt, picked_rounds=picked,
-                              turns=turns, context=cfg.train_context)
+                              turns=turns, context=context)
         if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay
             probes += probe_samples(tokenizer, task, tool, forget, rng, cfg.sft_probe, system_prompt,
-                                    picked_rounds=picked, context=cfg.train_context, think=taught_marker(cfg),
+                                    picked_rounds=picked, context=context, think=taught_marker(cfg),
                                     turns=turns)
     return out[: cfg.sft_batch] + probes
+
+
+def episode_context(cfg, rng: random.Random) -> str:
+    """The context one expert episode's rows are rendered in: ``full`` for ``--train-context full``, else ``full``
+    with probability ``--sft-full-share`` (a cold start that plays both contexts), else ``snail``. No draw at a
+    share of 0 or 1, so those batches are the ones a single context gives."""
+    if cfg.train_context == "full" or cfg.sft_full_share >= 1:
+        return "full"
+    return "full" if cfg.sft_full_share > 0 and rng.random() < cfg.sft_full_share else "snail"
 
 
 def random_chains(rng: random.Random, names: list[str], objectives: tuple[int, int]) -> list[list[str]]:

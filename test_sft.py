@@ -78,6 +78,21 @@ def test_sft_batch_renders_the_policy_rows_in_the_training_context():
     assert [r.ids[r.n_prompt:] for r in rows["snail"]] == [r.ids[r.n_prompt:] for r in rows["full"]]
 
 
+def test_sft_full_share_renders_that_share_of_episodes_in_the_full_context():
+    """--sft-full-share 0.5: some rows see more than one earlier tool result (full context), others exactly one at
+    a round >= 3 (the snail shell); the share 0 batch is the snail batch row for row."""
+    tok = data.build_tokenizer()
+    info = tok.convert_tokens_to_ids("<information>")
+    args = ["--sft-objectives", "2", "--sft-batch", "64", "--sft-probe", "0"]
+    mixed = sft.sft_batch(tok, train.parse_args(args + ["--sft-full-share", "0.5"]), 2000)
+    n_info = [r.ids[:r.n_prompt].count(info) for r in mixed]
+    assert sum(n >= 2 for n in n_info) >= 8 and n_info.count(1) >= 8
+    snail = sft.sft_batch(tok, train.parse_args(args), 2000)
+    assert [r.ids for r in sft.sft_batch(tok, train.parse_args(args + ["--sft-full-share", "0"]), 2000)] == \
+        [r.ids for r in snail]
+    assert max(r.ids[:r.n_prompt].count(info) for r in snail) == 1
+
+
 def test_first_open_pair_is_the_experts_next_search():
     """On every search round of the expert's episodes (K 1-6, 1-3 hops), the pair before the first open slot of
     that round's <mem> is the pair it searches."""

@@ -190,6 +190,9 @@ class Config:
                                       "(the pair before the first open slot, as the expert's round at any K)")
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
     forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw", min=0, max=1)
+    # the paper trains RL in the full context and evaluates in the snail shell: its cold start must play both
+    sft_full_share: float = flag(0.0, "share of the expert's SFT episodes rendered in the full context, the rest in "
+                                      "the snail shell (--train-context full: all of them)", min=0, max=1)
     sft_objectives: str = flag("1-2", "objective counts K of SFT questions, e.g. 1-10", int_range=True)
     hops: str = flag("1-3", "hops per objective, e.g. 1-3", int_range=True)
 
