@@ -153,7 +153,7 @@ def denominators(samples: list[Sample]) -> dict:
     (= trajectory) its policy tokens, local, since a trajectory's rows never leave its rank."""
     seq_tokens: dict = {}
     for s in samples:
-        seq_tokens[seq_key(s)] = seq_tokens.get(seq_key(s), 0.0) + len(s.ids) - s.n_prompt
+        seq_tokens[seq_key(s)] = seq_tokens.get(seq_key(s), 0.0) + s.n_policy
     local = [float(sum(seq_tokens.values())), float(sum(1 for n in seq_tokens.values() if n > 0))]
     n_tokens, n_seqs = all_sum(local)
     return {"n_tokens": n_tokens, "n_seqs": n_seqs, "seq_tokens": seq_tokens}
@@ -162,7 +162,7 @@ def denominators(samples: list[Sample]) -> dict:
 def even_micro_batches(batches: list[list[Sample]], pad_id: int) -> list[list[Sample]]:
     """Append empty micro-batches (one row of padding, loss mask 0) until every rank has as many."""
     n = int(all_max([len(batches)])[0])
-    return batches + [[Sample([pad_id, pad_id], 2)] for _ in range(n - len(batches))]
+    return batches + [[Sample([pad_id, pad_id], [])] for _ in range(n - len(batches))]
 
 
 def update_module(model):

@@ -81,7 +81,8 @@ def memory_retention(trajs: list, tasks: list) -> dict:
     Objective k's *needed* entity after some rounds is the newest object of its gold chain that an
     earlier search retrieved (its answer once the chain is complete). Retention at round t >= 2 =
     fraction of needed entities that ``<mem>`` holds in objective k's entry (``k = path``), by
-    how many rounds ago the entity was retrieved, and for rounds 2-8 vs 9-64 (turn drift).
+    how many rounds ago the entity was retrieved (and pooled over 3+ rounds ago: what only ``<mem>`` can still
+    hold in the snail shell), and for rounds 2-8 vs 9-64 (turn drift).
     """
     kept = {b: [0, 0] for b in AGO_BUCKETS}
     drift = {"rounds 2-8": [0, 0], "rounds 9-64": [0, 0]}
@@ -113,7 +114,9 @@ def memory_retention(trajs: list, tasks: list) -> dict:
                         if query == list(f[:2]) and " ".join(f) in tools[t] and (k, h) not in found:
                             found[(k, h)] = t
     ratio = lambda a: a[0] / a[1] if a[1] else float("nan")
+    older = [v for (a, _), v in kept.items() if a >= 3]
     return {"retention": ratio([sum(v[0] for v in kept.values()), sum(v[1] for v in kept.values())]),
+            "retention_3plus": ratio([sum(v[0] for v in older), sum(v[1] for v in older)]),
             "retention_by_ago": {f"{a}-{b}": ratio(v) for (a, b), v in kept.items()},
             "retention_drift": {k: ratio(v) for k, v in drift.items()}}
 
@@ -157,13 +160,14 @@ def evaluate_embedded(model, tokenizer, ks: list[int], n: int, seed: int = 0, sp
                       context: str = "snail", max_turns: int = 64, hops: tuple[int, int] = (1, 3),
                       max_new_tokens: int = 128, progress: bool = False,
                       system_prompt: str = data.SYSTEM_PROMPT, temperature: float = 0.0) -> dict[int, dict]:
-    """Metrics per objective count K on held-out embedded worlds."""
+    """Metrics per objective count K on held-out embedded worlds, memory retention among them (``memory_retention``)."""
     agent = greedy_agent(context, max_turns, max_new_tokens, system_prompt, temperature)
     bar = progress_bar(len(ks) * n) if progress else None
     out = {}
     for k in ks:
         tasks, tool = embedded_tasks(k, n, seed, split, hops)
-        out[k] = evaluate(model, tokenizer, tasks, tool, agent, bar=bar)
+        trajs = run_episodes(model, tokenizer, tasks, tool, agent, bar=bar)
+        out[k] = summarize(trajs) | memory_retention(trajs, tasks)
     if bar is not None:
         bar.close()
     return out

@@ -19,7 +19,7 @@ Here for every recipe: Dr.GRPO's and DAPO's options and the training rows (``Sam
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -113,14 +113,13 @@ def memory_pool_weights(mem_rewards: list[list[float]], mem_adv: list[list[float
             for members in _memory_pools(mem_rewards, group_ids, rounds, norm) if len(members) > 1]
 
 
-def token_advantages(outcome_adv: Tensor, mem_adv: Tensor, mem_span: Tensor, loss_mask: Tensor,
-                     mem_weight: float = 1.0) -> Tensor:
-    """A_T on every token + w * A_M on the mem span, times the loss mask -> (B, T).
+def token_advantages(outcome_adv: Tensor, mem_adv: Tensor, loss_mask: Tensor, mem_weight: float = 1.0) -> Tensor:
+    """A_T (B,) on every token + w * A_M (B, T) (nonzero on the mem spans), times the loss mask -> (B, T).
 
-    The mem span may hold the forced ``<mem>`` prefix (it belongs to the span); the loss mask zeroes it, so
+    A mem span holds the forced ``<mem>`` prefix (it belongs to the span); the loss mask zeroes it, so
     forced tokens never receive gradient.
     """
-    adv = outcome_adv.float()[:, None] + mem_weight * mem_adv.float()[:, None] * mem_span.float()
+    adv = outcome_adv.float()[:, None] + mem_weight * mem_adv.float()
     return adv * loss_mask.float()                                                     # (B, T)
 
 
@@ -224,35 +223,51 @@ def filter_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
 
 @dataclass
 class Sample:
-    """One round as a training row: ids = context + forced prefix + output; loss mask 1 on output only."""
+    """One training row. Spans are [start, end) positions in ``ids``: ``policy``, the tokens the policy sampled (loss
+    mask 1); ``mem``, each round's ``<mem>...</mem>`` (its forced ``<mem>`` prefix included) with that round's memory
+    advantage A_M. ``adv_t`` is the outcome advantage of trajectory ``traj`` (None: the row is a sequence of its own).
+    A snail round is one row, ``context + forced prefix + output``; a full-context trajectory is one growing row."""
     ids: list[int]
-    n_prompt: int            # context + forced prefix (mask 0)
-    mem_end: int = 0         # tokens after n_prompt - len(prefix) that form the <mem> span
-    n_prefix: int = 0
-    adv_t: float = 0.0       # outcome advantage of its trajectory
-    adv_m: float = 0.0       # memory advantage of this round
-    traj: int | None = None  # trajectory id (rows of one trajectory form one "sequence"); None = its own
+    policy: list[tuple[int, int]]
+    mem: list[tuple[int, int, float]] = field(default_factory=list)
+    adv_t: float = 0.0
+    traj: int | None = None
+
+    @property
+    def n_prompt(self) -> int:
+        """Where the first policy token sits (a one-span row: the length of its context)."""
+        return self.policy[0][0] if self.policy else len(self.ids)
+
+    @property
+    def n_policy(self) -> int:
+        """Policy tokens of the row: its share of a loss denominator."""
+        return sum(b - a for a, b in self.policy)
+
+
+def target_row(context: list[int], target: list[int], **kw) -> Sample:
+    """``context + target`` with the loss on ``target`` (an SFT row)."""
+    return Sample(list(context) + list(target), [(len(context), len(context) + len(target))], **kw)
 
 
 def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Right-pad rows -> ids, attention mask, loss mask, mem span, per-row advantages. All (B, T) or (B,)."""
+    """Right-pad rows -> ids, attention mask, loss mask, A_M on each mem span (all (B, T)), A_T (B,)."""
     T = max(len(s.ids) for s in samples)
     B = len(samples)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, T), dtype=torch.long)
     loss_mask = torch.zeros((B, T))
-    mem_span = torch.zeros((B, T))
+    mem_adv = torch.zeros((B, T))
     for i, s in enumerate(samples):
         n = len(s.ids)
         ids[i, :n] = torch.tensor(s.ids)
         attn[i, :n] = 1
-        loss_mask[i, s.n_prompt:n] = 1
-        start = s.n_prompt - s.n_prefix
-        mem_span[i, start:start + s.mem_end] = 1
+        for a, b in s.policy:
+            loss_mask[i, a:b] = 1
+        for a, b, adv in s.mem:
+            mem_adv[i, a:b] = adv
     adv_t = torch.tensor([s.adv_t for s in samples])
-    adv_m = torch.tensor([s.adv_m for s in samples])
-    return {k: v.to(device) for k, v in dict(ids=ids, attn=attn, loss_mask=loss_mask, mem_span=mem_span,
-                                              adv_t=adv_t, adv_m=adv_m).items()}
+    return {k: v.to(device) for k, v in dict(ids=ids, attn=attn, loss_mask=loss_mask, mem_adv=mem_adv,
+                                              adv_t=adv_t).items()}
 
 
 def micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:

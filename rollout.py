@@ -74,6 +74,20 @@ class Round:
         return self.prefix_ids + self.output_ids
 
     @property
+    def mem_span(self) -> tuple[int, int]:
+        """[start, end) of the round's ``<mem>...</mem>`` (forced prefix included) in ``context_ids + round_ids``;
+        empty when it has none. A full-context round's context is the trajectory so far, so these are also its
+        positions in the trajectory's growing row."""
+        start = len(self.context_ids)
+        return start, start + self.mem_end
+
+    @property
+    def policy_span(self) -> tuple[int, int]:
+        """[start, end) of the tokens the policy sampled (loss mask 1), in the same positions as ``mem_span``."""
+        start = len(self.context_ids) + len(self.prefix_ids)
+        return start, start + len(self.output_ids)
+
+    @property
     def n_tokens(self) -> int:
         return len(self.context_ids) + len(self.prefix_ids) + len(self.output_ids)
 

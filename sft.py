@@ -40,7 +40,7 @@ import data
 import dist
 from checkpoint import log_jsonl, save_checkpoint
 from flags import Accepts, FlagParser
-from grpo import Sample, collate, micro_batches
+from grpo import Sample, collate, micro_batches, target_row
 from memory import Record, extract_mem, prepare_prompt, tool_record
 from reward import answer_template, normalize_answer, outcome_reward
 from models import autocast
@@ -81,7 +81,7 @@ def episode_samples(tokenizer, question: str, rounds: list[tuple[str, str | None
             ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None if context == "full" else 1))
             pre = prefix if t > 0 and text.startswith("<mem>") else []
             body = text[len("<mem>"):] if pre else text
-            out.append(Sample(ctx + pre + tokenizer.encode(body, add_special_tokens=False), len(ctx) + len(pre)))
+            out.append(target_row(ctx + pre, tokenizer.encode(body, add_special_tokens=False)))
     return out
 
 
@@ -145,7 +145,7 @@ def probe_row(tokenizer, context: list[int], answers: list[str], think: str) -> 
     the first answer word on (the marker is never learnt as an output)."""
     ids, words = answer_template(tokenizer, [[a] for a in answers], think)
     first = next(j for j, w in enumerate(words) if w)
-    return Sample(context + ids, len(context) + first)
+    return target_row(context + ids[:first], ids[first:])
 
 
 def held_answers(golds: list[list[str]], text: str) -> list[str]:
@@ -275,7 +275,7 @@ def copy_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMP
         ctx = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], system_prompt))
         entries = {k: data.open_path(c) for k, c in enumerate(chains)}
         text = f"<mem> {data.format_mem(entries)} </mem>" + (round_action(entries) if action else "")
-        out.append(Sample(ctx + tokenizer.encode(text, add_special_tokens=False), len(ctx)))
+        out.append(target_row(ctx, tokenizer.encode(text, add_special_tokens=False)))
     return out
 
 
@@ -306,7 +306,7 @@ def run_sft(model, optimizer, batch, steps: range, lr, cfg, pad_id: int, on_step
             g["lr"] = lr(step)
         t0 = time.time()
         samples = batch(step)
-        n_tokens = float(sum(len(s.ids) - s.n_prompt for s in samples))     # every rank builds the whole batch
+        n_tokens = float(sum(s.n_policy for s in samples))     # every rank builds the whole batch
         samples = samples[dist.DIST.rank::dist.DIST.world]                    # torchrun: this rank's rows
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
@@ -372,7 +372,7 @@ def fill_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
                    tool_record("search_results", f"<information> {' | '.join(docs)} </information>")]
         ctx = encode_chat(tokenizer, prepare_prompt(records, system_prompt, 1))
         text = f" {data.format_mem(new)} </mem>" + (round_action(new) if action else "")
-        out.append(Sample(ctx + prefix + tokenizer.encode(text, add_special_tokens=False), len(ctx) + len(prefix)))
+        out.append(target_row(ctx + prefix, tokenizer.encode(text, add_special_tokens=False)))
     return out
 
 

@@ -50,6 +50,19 @@ def test_forgetting_expert_loses_old_entities_not_new_ones():
     assert abs(s["score"] - 0.25) < 1e-9 and s["em"] == 0.0   # only the last of 4 objectives answered
 
 
+def test_retention_3plus_pools_only_the_entities_found_three_or_more_rounds_ago():
+    """The forgetting expert drops a finished entry once a newer objective finishes, so what it lost was found long
+    ago: retention at 3+ rounds ago is below the whole retention, which the recent, kept entities lift; the perfect
+    expert keeps everything at every distance."""
+    from eval import memory_retention
+    world, tasks = data.make_tasks(32, 12, [4], (1, 2))
+    tool = SearchTool(world.docs)
+    forgets = memory_retention([replay(t, tool, i, forget=True) for i, t in enumerate(tasks)], tasks)
+    assert forgets["retention_by_ago"]["1-1"] == 1.0 and forgets["retention_3plus"] < forgets["retention"] < 1.0
+    keeps = memory_retention([replay(t, tool, i) for i, t in enumerate(tasks)], tasks)
+    assert keeps["retention_3plus"] == keeps["retention"] == 1.0
+
+
 def test_first_update_counts_round_two_entries_and_checks_them():
     """The expert's round 2 writes all K entries right; merging two entries into one, copying the memory
     without the fact round 1 found, or ending in round 1, shows as what it is."""

@@ -42,7 +42,7 @@ def samples(seed=0, n=7):
     for i in range(n):
         L = int(torch.randint(8, 20, (1,), generator=g))
         ids = torch.randint(5, 200, (L,), generator=g).tolist()
-        out.append(grpo.Sample(ids, 5, mem_end=3, n_prefix=1, adv_t=(-1.0) ** i * (1 + i / 7), adv_m=0.5 * (-1.0) ** (i // 2)))
+        out.append(grpo.Sample(ids, [(5, L)], [(4, 7, 0.5 * (-1.0) ** (i // 2))], adv_t=(-1.0) ** i * (1 + i / 7)))
     return out
 
 

@@ -117,9 +117,8 @@ def test_memory_norm_nonzero():
 # ---------------------------------------------------------------- token advantages
 def test_token_advantages_hand_built():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0]])
-    mem_span = torch.tensor([[0, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]])  # incl. forced prefix
-    adv = token_advantages(torch.tensor([0.5, -1.0]), torch.tensor([2.0, 3.0]), mem_span, loss_mask,
-                           mem_weight=0.5)
+    mem_adv = torch.tensor([[0, 2.0, 2.0, 2.0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]])  # A_M on the span, incl. forced prefix
+    adv = token_advantages(torch.tensor([0.5, -1.0]), mem_adv, loss_mask, mem_weight=0.5)
     expected = torch.tensor([[0, 0, 1.5, 1.5, 0.5, 0.5, 0], [0, -1, -1, -1, 0, 0, 0]])
     assert torch.allclose(adv, expected)
 

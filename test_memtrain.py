@@ -9,7 +9,7 @@ import torch
 import data
 import train
 from eval import load
-from grpo import Sample, collate, filter_groups, grouped_advantage
+from grpo import collate, filter_groups, grouped_advantage, target_row
 from recipes import memtrain, memtrain_eval, memtrain_tasks
 from recipes.memtrain import (MemAgentConfig, memory_rollout, memory_step_context, memtrain_reward,
                               reconstruction_reward, written_memory)
@@ -227,10 +227,10 @@ def format_warm_start(model, tok, steps: int = 150, seed: int = 0):
                 text = f"<mem> {new} </mem>"
                 if t == len(task.chunks) - 1:
                     text += f" <think> answer </think> <answer> {task.answer} </answer>"
-                rows.append(Sample(ctx + tok.encode(text, add_special_tokens=False), len(ctx)))
+                rows.append(target_row(ctx, tok.encode(text, add_special_tokens=False)))
                 mem = new
         batch = collate(rows, tok.pad_token_id, "cpu")
-        n = float(sum(len(r.ids) - r.n_prompt for r in rows))
+        n = float(sum(r.n_policy for r in rows))
         opt.zero_grad()
         loss = sft_loss(model, batch, n)
         loss.backward()

@@ -232,7 +232,8 @@ def test_fp32_master_weights_move_at_lr_1e6_under_bf16_autocast():
             model = model.to(torch.bfloat16)
         cfg = train.parse_args(["--precision", "bf16", "--lr", "1e-6"])
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        samples = [grpo.Sample(list(range(5, 25)), 8, adv_t=1.0), grpo.Sample(list(range(30, 44)), 6, adv_t=-1.0)]
+        samples = [grpo.target_row(list(range(5, 13)), list(range(13, 25)), adv_t=1.0),
+                   grpo.target_row(list(range(30, 36)), list(range(36, 44)), adv_t=-1.0)]
         before = [p.detach().clone() for p in model.parameters()]
         m = train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
         assert "skipped" not in m

@@ -72,11 +72,12 @@ def test_forced_prefix_from_round_two_is_context_not_policy(expert_rollout):
     assert all(r.mem_end > len(prefix) for r in later)                          # the span includes the prefix
     samples = train.build_samples(trajs, torch.ones(len(trajs)), None, None)
     x = grpo.collate(samples, tok.pad_token_id, "cpu")
-    for i, s in enumerate(samples):
-        start = s.n_prompt - s.n_prefix
+    rounds = [r for t in trajs for r in t.rounds if r.output_ids]
+    for i, (s, r) in enumerate(zip(samples, rounds)):
+        start = r.mem_span[0]                                                   # where the round starts
         assert x["loss_mask"][i, :s.n_prompt].sum() == 0 and x["loss_mask"][i, s.n_prompt:len(s.ids)].all()
-        assert s.ids[start:s.n_prompt] == ([] if s.n_prefix == 0 else prefix)
-    assert sum(s.n_prefix == 1 for s in samples) == len(later)
+        assert s.ids[start:s.n_prompt] == r.prefix_ids and s.ids[:start] == r.context_ids
+    assert sum(s.n_prompt - r.mem_span[0] == 1 for s, r in zip(samples, rounds)) == len(later)
     # mem_prefix=False: nothing is forced in any round
     off, _ = expert_rollout(tasks, SearchTool(w.docs), AgentConfig(
         system_prompt=data.SYSTEM_PROMPT, max_turns=4, max_new_tokens=60, temperature=0.0, mem_prefix=False))

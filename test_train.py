@@ -129,14 +129,14 @@ def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
         mem = memory_rewards(model, tok, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask, think=cfg.probe_think)
         mem_adv = grpo.memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
         samples = train.build_samples(trajs, adv_t, mem, mem_adv)
-        if any(s.adv_t != 0 or s.adv_m != 0 for s in samples):
+        if any(s.adv_t != 0 or s.mem for s in samples):
             break
     else:
         pytest.fail("no signal in 8 batches: nothing to test")
 
     def surrogate():
         x = collate(samples, tok.pad_token_id, "cpu")
-        adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"], cfg.mem_weight)
+        adv = token_advantages(x["adv_t"], x["mem_adv"], x["loss_mask"], cfg.mem_weight)
         with torch.no_grad():
             return (adv * token_logprobs(model, x["ids"], x["attn"], cfg.temperature)).sum().item()
     before = surrogate()
@@ -163,18 +163,18 @@ def test_build_samples_and_collate_place_mem_span_and_memory_advantage_by_round_
     mem = {"rounds": [[1, 3], [1]]}
     samples = train.build_samples([t0, t1], torch.tensor([0.5, -2.0]), mem, [[1.5, -0.25], [7.0]])
     # t1's round 0 sampled nothing: no row
-    assert [(s.traj, s.adv_t, s.adv_m) for s in samples] == [(0, 0.5, 0.0), (0, 0.5, 1.5), (0, 0.5, 0.0),
-                                                          (0, 0.5, -0.25), (1, -2.0, 7.0)]
-    assert samples[1].ids == ctx1 + [20, 21, 22, 23, 24] and samples[1].n_prompt == 6 and samples[1].n_prefix == 1
+    assert [(s.traj, s.adv_t, s.mem) for s in samples] == [(0, 0.5, []), (0, 0.5, [(5, 8, 1.5)]), (0, 0.5, []),
+                                                         (0, 0.5, [(5, 7, -0.25)]), (1, -2.0, [(4, 5, 7.0)])]
+    assert samples[1].ids == ctx1 + [20, 21, 22, 23, 24] and samples[1].policy == [(6, 10)]
     x = grpo.collate(samples, pad_id=0, device="cpu")
     assert x["ids"].shape == (5, 10) and x["attn"][1].tolist() == [1] * 10
     assert x["loss_mask"][1].tolist() == [0] * 6 + [1] * 4           # the forced prefix (position 5) is mask 0
-    assert x["mem_span"][1].tolist() == [0] * 5 + [1] * 3 + [0] * 2   # prefix + 2 sampled tokens
-    assert x["mem_span"][0].sum() == 0 and x["loss_mask"][0].tolist() == [0] * 3 + [1] * 3 + [0] * 4
-    assert x["mem_span"][4].tolist() == [0] * 4 + [1] + [0] * 5 and x["ids"][4].tolist() == ctx2 + [20, 51, 52, 0, 0, 0]
-    assert x["adv_m"].tolist() == [0.0, 1.5, 0.0, -0.25, 7.0] and x["adv_t"].tolist() == [0.5] * 4 + [-2.0]
+    assert x["mem_adv"][1].tolist() == [0] * 5 + [1.5] * 3 + [0] * 2   # prefix + 2 sampled tokens
+    assert x["mem_adv"][0].sum() == 0 and x["loss_mask"][0].tolist() == [0] * 3 + [1] * 3 + [0] * 4
+    assert x["mem_adv"][4].tolist() == [0] * 4 + [7.0] + [0] * 5 and x["ids"][4].tolist() == ctx2 + [20, 51, 52, 0, 0, 0]
+    assert x["adv_t"].tolist() == [0.5] * 4 + [-2.0]
     from grpo import token_advantages
-    adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"])
+    adv = token_advantages(x["adv_t"], x["mem_adv"], x["loss_mask"])
     assert adv[1].tolist() == [0] * 6 + [2.0, 2.0, 0.5, 0.5]            # A_T + A_M on sampled <mem> tokens only
 
 

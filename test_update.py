@@ -17,7 +17,7 @@ def hand_built_samples(n=6, seed=0):
     for i in range(n):
         L, P = int(torch.randint(8, 20, (1,), generator=g)), 5
         ids = torch.randint(5, 200, (L,), generator=g).tolist()
-        out.append(grpo.Sample(ids, P, mem_end=3, n_prefix=1, adv_t=(-1.0) ** i, adv_m=0.5 * (-1.0) ** (i // 2)))
+        out.append(grpo.Sample(ids, [(P, L)], [(P - 1, P + 2, 0.5 * (-1.0) ** (i // 2))], adv_t=(-1.0) ** i))  # prefix + 2
     return out
 
 
@@ -70,9 +70,10 @@ def _naive_gradient(samples, agg, seed=0):
     for s in samples:
         ids = torch.tensor([s.ids])
         logp = token_logprobs(model, ids, torch.ones_like(ids))[0, s.n_prompt:]          # policy tokens
-        span = torch.zeros(len(s.ids))
-        span[s.n_prompt - s.n_prefix:s.n_prompt - s.n_prefix + s.mem_end] = 1
-        adv = s.adv_t + s.adv_m * span[s.n_prompt:]
+        a_m = torch.zeros(len(s.ids))
+        for a, b, x in s.mem:
+            a_m[a:b] = x
+        adv = s.adv_t + a_m[s.n_prompt:]
         per_traj.setdefault(s.traj, []).append(-adv * torch.exp(logp - logp.detach()))
     toks = {k: torch.cat(v) for k, v in per_traj.items()}
     if agg == "token-mean":
@@ -104,10 +105,9 @@ def test_update_raises_logprob_of_positive_and_lowers_negative_advantage_tokens(
     from grpo import token_logprobs
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
-    up = grpo.Sample(tok.encode("<mem> 1 = bobi friend </mem> <think> search </think>", add_special_tokens=False),
-                      3, adv_t=1.0, traj=0)
-    down = grpo.Sample(tok.encode("<think> answer </think> <answer> gonu </answer>", add_special_tokens=False),
-                        3, adv_t=-1.0, traj=1)
+    up = tok.encode("<mem> 1 = bobi friend </mem> <think> search </think>", add_special_tokens=False)
+    down = tok.encode("<think> answer </think> <answer> gonu </answer>", add_special_tokens=False)
+    up, down = grpo.target_row(up[:3], up[3:], adv_t=1.0, traj=0), grpo.target_row(down[:3], down[3:], adv_t=-1.0, traj=1)
 
     def policy_logp(s):
         ids = torch.tensor([s.ids])
@@ -178,3 +178,34 @@ def test_the_clip_acts_from_the_second_minibatch_on():
         ratios[n] = train.ppo_update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr), samples, cfg,
                                      tok.pad_token_id)
     assert ratios[1]["clip_frac"] == 0.0 and ratios[2]["clip_frac"] > 0
+
+
+def _growing_trajectory():
+    """Three full-context rounds: each round's context is the one before + that round + its tool result."""
+    from rollout import Round, Trajectory
+    ctx0 = [1, 2, 3]
+    ctx1 = ctx0 + [10, 11, 12] + [4, 5]
+    ctx2 = ctx1 + [20, 21, 22, 23, 24] + [6, 7]
+    rounds = [Round(ctx0, [], [10, 11, 12], "", 0, "search"), Round(ctx1, [20], [21, 22, 23, 24], "", 3, "search"),
+              Round(ctx2, [20], [31, 32], "", 2, "answer")]
+    return Trajectory("q", [["a"]], 0, ctx0, [], rounds)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_a_full_context_trajectory_is_one_row_with_every_rounds_spans_and_the_same_gradient(agg):
+    """--train-context full: a trajectory whose contexts grow is ONE row (its last round's context + output), each
+    round's policy tokens and <mem> span (forced prefix included) at their positions in it; its update gradient is
+    the one of the same rounds as separate rows."""
+    trajs = [_growing_trajectory(), _growing_trajectory()]
+    trajs[1].rounds[2] = type(trajs[1].rounds[2])([9] + trajs[1].rounds[2].context_ids[1:], [20], [33], "", 2,
+                                                  "answer")      # round 3 does not extend round 2: rows per round
+    mem = {"rounds": [[1, 2], [1]]}
+    one = train.build_samples(trajs, torch.tensor([1.0, -0.5]), mem, [[0.75, -2.0], [1.5]], one_row=True)
+    per_round = train.build_samples(trajs, torch.tensor([1.0, -0.5]), mem, [[0.75, -2.0], [1.5]])
+    assert len(per_round) == 6 and len(one) == 4
+    row = one[0]
+    assert row.ids == [1, 2, 3, 10, 11, 12, 4, 5, 20, 21, 22, 23, 24, 6, 7, 20, 31, 32]
+    assert row.policy == [(3, 6), (9, 13), (16, 18)] and row.mem == [(8, 11, 0.75), (15, 17, -2.0)]
+    assert [s.ids for s in one[1:]] == [s.ids for s in per_round[3:]]
+    for a, b in zip(_sgd_step(one, ["--agg", agg])[0], _sgd_step(per_round, ["--agg", agg])[0]):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()

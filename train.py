@@ -298,16 +298,30 @@ def rollout_share(model, tokenizer, tasks: list, q0: int, cfg: Config, step: int
     return trajs
 
 
-def build_samples(trajs, adv_t: torch.Tensor, mem: dict | None, mem_adv: list[list[float]] | None) -> list[Sample]:
-    """One Sample per round, carrying its trajectory's outcome advantage and the round's memory advantage."""
+def grows(rounds) -> bool:
+    """Does every round's context extend the one before it by exactly that round's tokens (the full context, with
+    a chat template that renders each message as the model wrote it)?"""
+    return all(b.context_ids[:len(a.context_ids) + len(a.round_ids)] == a.context_ids + a.round_ids
+               for a, b in zip(rounds, rounds[1:]))
+
+
+def build_samples(trajs, adv_t: torch.Tensor, mem: dict | None, mem_adv: list[list[float]] | None,
+                  one_row: bool = False) -> list[Sample]:
+    """The update's rows: every round a row ``context + forced prefix + output``, its trajectory's outcome advantage
+    on the policy tokens and the round's memory advantage on its ``<mem>`` span. ``one_row`` (full context): a
+    trajectory whose rounds grow (``grows``) is ONE row, its last round's context + output, each round's spans at
+    the same positions: the same tokens and conditioning at the cost of its length once, not once per round."""
     samples = []
     for i, t in enumerate(trajs):
         round_adv = dict(zip(mem["rounds"][i], mem_adv[i])) if mem is not None else {}
-        for r_idx, r in enumerate(t.rounds):
-            if not r.output_ids:
-                continue
-            samples.append(Sample(r.context_ids + r.round_ids, len(r.context_ids) + len(r.prefix_ids),
-                                  r.mem_end, len(r.prefix_ids), float(adv_t[i]), round_adv.get(r_idx, 0.0), i))
+        rounds = [(k, r) for k, r in enumerate(t.rounds) if r.output_ids]
+        mems = {k: [(*r.mem_span, round_adv[k])] if k in round_adv else [] for k, r in rounds}
+        if one_row and rounds and grows(t.rounds):
+            last = t.rounds[-1]
+            samples.append(Sample(last.context_ids + last.round_ids, [r.policy_span for _, r in rounds],
+                                  [s for k, _ in rounds for s in mems[k]], float(adv_t[i]), i))
+            continue
+        samples += [Sample(r.context_ids + r.round_ids, [r.policy_span], mems[k], float(adv_t[i]), i) for k, r in rounds]
     return samples
 
 
@@ -348,8 +362,8 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
     v["search_failures"] = [tool.failures - failures0]
     m.update(step_metrics(dist.gather_metrics(v)))
     t0 = time.time()
-    m.update(ppo_update(model, ref_model, optimizer, build_samples(trajs, adv_t, mem, mem_adv), cfg,
-                        tokenizer.pad_token_id))
+    samples = build_samples(trajs, adv_t, mem, mem_adv, one_row=cfg.train_context == "full")
+    m.update(ppo_update(model, ref_model, optimizer, samples, cfg, tokenizer.pad_token_id))
     m["sec_update"] = time.time() - t0
     if cfg.viz_every and step % cfg.viz_every == 0 and dist.DIST.rank == 0:     # rank 0's own questions
         record = viz.step_record(trajs, tokenizer, adv_t, mem, mem_adv, cfg.mem_weight, outs, metrics=m,
@@ -394,7 +408,7 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
     a non-finite loss or gradient norm stops the update before that optimizer step. torchrun: the
     denominators and the loss are the global mini-batch's, each rank back-propagates loss * W (DDP / FSDP2
     average over ranks)."""
-    if not dist.all_sum([float(any(s.adv_t != 0 or s.adv_m != 0 for s in samples))])[0]:
+    if not dist.all_sum([float(any(s.adv_t != 0 or any(a != 0 for *_, a in s.mem) for s in samples))])[0]:
         return {"skipped": "all advantages are zero"}
     m: dict = {}
     split = minibatch_split(samples, cfg.ppo_minibatches)
@@ -428,7 +442,7 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
             total = 0.0
             for bi, b in enumerate(batches):
                 x = collate(b, pad_id, device)
-                adv = token_advantages(x["adv_t"], x["adv_m"], x["mem_span"], x["loss_mask"], cfg.mem_weight)
+                adv = token_advantages(x["adv_t"], x["mem_adv"], x["loss_mask"], cfg.mem_weight)
                 with dist.grad_sync(model, bi == len(batches) - 1):
                     with autocast(cfg.precision, device):
                         logp = token_logprobs(train_model, x["ids"], x["attn"], cfg.temperature)

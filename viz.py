@@ -91,10 +91,10 @@ def round_advantages(adv_t: float | None, adv_m: float, n_prefix: int, mem_end: 
     n = n_prefix + n_out
     if adv_t is None or n_out == 0:          # evaluation episodes; a round with no sampled token is no row
         return [None] * n
-    loss_mask, mem_span = torch.zeros(1, n), torch.zeros(1, n)       # (1, T), as grpo.collate lays them out
+    loss_mask, mem_adv = torch.zeros(1, n), torch.zeros(1, n)        # (1, T), as grpo.collate lays them out
     loss_mask[0, n_prefix:] = 1
-    mem_span[0, :mem_end] = 1
-    adv = token_advantages(torch.tensor([adv_t]), torch.tensor([adv_m]), mem_span, loss_mask, mem_weight)[0]
+    mem_adv[0, :mem_end] = adv_m
+    adv = token_advantages(torch.tensor([adv_t]), mem_adv, loss_mask, mem_weight)[0]
     return [None] * n_prefix + adv[n_prefix:].tolist()
 
 

@@ -63,7 +63,7 @@ import dist
 import train
 from engine import generate
 from flags import flag
-from grpo import Sample, grouped_advantage
+from grpo import Sample, grouped_advantage, target_row
 from models import load_model, pick_device
 from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunk_probes, chunks_answer,
                                    chunks_messages, long_context_chunks, make_memalpha_instances, max_chunks,
@@ -351,11 +351,11 @@ def memalpha_expert_samples(tokenizer, inst: MemInstance, k: int = 3, core_limit
             writer_calls(mem, chunk, inst.flawed)
             continue
         ctx = encode_chat(tokenizer, writer_messages(mem, chunk.text))
-        rows.append(Sample(ctx + enc(writer_calls(mem, chunk, inst.flawed)) + [tokenizer.eos_token_id], len(ctx)))
+        rows.append(target_row(ctx, enc(writer_calls(mem, chunk, inst.flawed)) + [tokenizer.eos_token_id]))
     for q, _ in inst.questions:
         msgs = answerer_messages(mem, q, k)
         ctx = encode_chat(tokenizer, msgs)
-        rows.append(Sample(ctx + enc(memory_answer(msgs[1]["content"], q)) + [tokenizer.eos_token_id], len(ctx)))
+        rows.append(target_row(ctx, enc(memory_answer(msgs[1]["content"], q)) + [tokenizer.eos_token_id]))
     return rows + memalpha_raw_rows(tokenizer, inst, context_tokens)
 
 
@@ -369,7 +369,7 @@ def memalpha_raw_rows(tokenizer, inst: MemInstance, context_tokens: int = 64) ->
     for i, (q, _) in enumerate(inst.questions):
         seen = window if i % 2 == 0 else rag_chunks(texts, q, 2)
         ctx = encode_chat(tokenizer, chunks_messages(seen, q))
-        rows.append(Sample(ctx + enc(chunks_answer(seen, q)) + [tokenizer.eos_token_id], len(ctx)))
+        rows.append(target_row(ctx, enc(chunks_answer(seen, q)) + [tokenizer.eos_token_id]))
     return rows
 
 
@@ -426,7 +426,7 @@ def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, st
              mem_tokens=mean(rw["mem_tokens"]), calls=mean([len(s.calls) for _, s, _ in steps]),
              chunks=mean([len(inst.chunks) for inst in instances]),
              sec_reward=time.time() - t0)
-    samples = [Sample(s.context_ids + s.output_ids, len(s.context_ids), adv_t=float(a))
+    samples = [target_row(s.context_ids, s.output_ids, adv_t=float(a))
                for (_, s, _), a in zip(steps, adv) if s.output_ids]
     t0 = time.time()
     if not samples or all(abs(s.adv_t) < 1e-6 for s in samples):

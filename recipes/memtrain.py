@@ -66,7 +66,7 @@ import dist
 import train
 from engine import generate, stop_strings
 from flags import flag
-from grpo import Sample, filter_groups, grouped_advantage
+from grpo import Sample, filter_groups, grouped_advantage, target_row
 from memory import Record, extract_mem, mem_token_end, prepare_prompt, tool_record
 from recipes.memtrain_tasks import (MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks,
                                     memtrain_expert_rounds, world_memtrain_tasks)
@@ -253,7 +253,7 @@ def memtrain_warmup_batch(tokenizer, cfg: MemTrainConfig, step: int, real_tool=N
             mem = None
             for chunk, text in zip(task.chunks, memtrain_expert_rounds(task, cfg.mem_tokens * 4 // 5)):
                 ctx = memory_step_context(tokenizer, data.SYSTEM_PROMPT, task.problem, mem, chunk) + prefix
-                rows.append(Sample(ctx + tokenizer.encode(text[len("<mem>"):], add_special_tokens=False), len(ctx)))
+                rows.append(target_row(ctx, tokenizer.encode(text[len("<mem>"):], add_special_tokens=False)))
                 mem = text.split("<mem>", 1)[1].split("</mem>", 1)[0].strip()
     return rows[: cfg.sft_batch]
 
@@ -292,8 +292,7 @@ def memtrain_step(model, ref_model, tokenizer, optimizer, cfg: MemTrainConfig, s
              answered=sum(x.answer is not None for x in trajs) / len(trajs),
              mem_closed=sum(r.mem_end > 0 for x in trajs for r in x.rounds) / sum(len(x.rounds) for x in trajs),
              kept_groups=len(set(gids[keep].tolist())), dropped_groups=n_groups - len(set(gids[keep].tolist())))
-    samples = [Sample(r.context_ids + r.round_ids, len(r.context_ids) + len(r.prefix_ids), r.mem_end,
-                      len(r.prefix_ids), float(adv[i]))
+    samples = [Sample(r.context_ids + r.round_ids, [r.policy_span], adv_t=float(adv[i]))
                for i, x in enumerate(trajs) if keep[i] for r in x.rounds if r.output_ids]
     t0 = time.time()
     if not samples or all(s.adv_t == 0 for s in samples):
