@@ -4,8 +4,8 @@ Outcome, format and length; the groups whose outcome ties (GRPO learns nothing f
 the memory reward still ranks (``zero_var_frac``, ``zero_var_mem_frac``, per objective count K); the memory
 reward's parts (``p_mem``, ``p_full``, the masks, the rounds with no signal); and where the memory advantage's
 magnitude goes: the share of sum |A_M| from pools whose rewards differ by less than 0.01 / 0.05 (each pool is
-divided by its std, so a pool of near-equal rewards still gets unit-variance advantages) and what the rounds
-with nothing to keep receive. A file of its own so the RL step reads without it.
+divided by its std, so a pool of near-equal rewards still gets unit-variance advantages), what the rounds
+with nothing to keep receive, and the mean A_M on rounds that search, answer, or answer early (before the last hop). A file of its own so the RL step reads without it.
 
 ``metric_values`` collects one rank's values, ``dist.gather_metrics`` joins the ranks', ``step_metrics`` reduces.
 """
@@ -34,8 +34,12 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
         # each pool's (std, sum |A_M|): the stds the advantages are divided by, and where their magnitude goes
         pool_w = memory_pool_weights(mem["rewards"], mem_adv, group_ids, mem["rounds"], mem_adv_norm)
         no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
-        v |= {"pool_std": [s for s, _ in pool_w], "pool_w": pool_w,
-              "adv_ns": list(zip(no_signal, [a for r in mem_adv for a in r]))}
+        flat_adv = [a for r in mem_adv for a in r]
+        # the round each A_M lands on: an answer given early (before the question's last hop), another answer, a search
+        kind = ["early" if trajs[i].rounds[t].action == "answer" and data.early_answer(trajs[i])
+                else "answer" if trajs[i].rounds[t].action == "answer" else "search" for i, t in mem["scored"]]
+        v |= {"pool_std": [s for s, _ in pool_w], "pool_w": pool_w, "adv_ns": list(zip(no_signal, flat_adv)),
+              "adv_kind": list(zip(kind, flat_adv))}
     return v
 
 
@@ -89,4 +93,6 @@ def step_metrics(v: dict[str, list]) -> dict:
         m["mem_adv_abs"] = mean(every)
         m["mem_adv_no_signal"] = mean(ns)                   # > 0: rounds with nothing to keep are pushed up
         m["mem_adv_no_signal_share"] = sum(abs(a) for a in ns) / (sum(every) or 1.0)
+        for kind in ("search", "answer", "early"):          # mean A_M on the <mem> of rounds that end so
+            m[f"mem_adv_{kind}"] = mean([a for k, a in v["adv_kind"] if k == kind])
     return m

@@ -453,3 +453,22 @@ def test_keep_checkpoints_keeps_each_saved_model(tmp_path):
     assert (run / "step_0003" / "model.safetensors").read_bytes() == final
     train.main(["--run", str(tmp_path / "plain")] + args)
     assert not list((tmp_path / "plain").glob("step_*"))
+
+
+def test_step_metrics_split_the_memory_advantage_by_what_its_round_does():
+    """mem_adv_search / answer / early: the mean A_M on the <mem> of rounds that search, answer after the question's
+    last hop, or answer before it (hand-built: a 2-hop question, one trajectory answers after one search)."""
+    from metrics import metric_values, step_metrics
+    from rollout import Trajectory
+    q = "1 : fuzi boss _ rival _ ?"                          # two hops
+    full = Trajectory(q, [["a"]], 0, [1], [], [_round([1], [], [5], 0), _round([1], [9], [5], 1),
+                                               _round([1], [9], [5], 1), _round([1], [9], [5], 1, "answer")])
+    early = Trajectory(q, [["a"]], 0, [1], [], [_round([1], [], [5], 0), _round([1], [9], [5], 1, "answer")])
+    mem = {"rewards": [[0.1, 0.2, 0.3], [0.4]], "rounds": [[1, 2, 3], [1]], "scored": [(0, 1), (0, 2), (0, 3), (1, 1)],
+           "p_mem": [0.0] * 4, "p_full": [0.0] * 4, "mask_mem": [1] * 4, "mask_full": [1] * 4, "empty_frac": 0.0,
+           "no_signal_frac": 0.0, "n": 4}
+    outs = [{"score": 1.0, "em": 1.0, "f1": 1.0, "valid": True}, {"score": 0.0, "em": 0.0, "f1": 0.0, "valid": True}]
+    v = metric_values([full, early], outs, mem, [0, 0], [[1.0, -3.0, 0.5], [2.5]])
+    m = step_metrics(v | {"search_failures": [0]})
+    assert (m["mem_adv_search"], m["mem_adv_answer"], m["mem_adv_early"]) == (-1.0, 0.5, 2.5)
+    assert m["early_frac"] == 0.5
