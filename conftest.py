@@ -58,7 +58,7 @@ def sft_run(tmp_path_factory):
 
 
 def expert_tape(tok, task, mem_prefix: bool = True) -> tuple[list[str], list[int]]:
-    """The expert's rounds of ``task`` and their ids in order, less the "<mem>" the loop forces from round 2."""
+    """The expert's rounds of ``task`` and their ids in order, less the "<mem>" the loop forces from round 1 on."""
     rounds = [text for text, _ in data.expert_episode(task)]
     mem = tok.encode("<mem>", add_special_tokens=False)
     tape = []
@@ -71,7 +71,7 @@ def expert_tape(tok, task, mem_prefix: bool = True) -> tuple[list[str], list[int
 
 class ExpertTape(torch.nn.Module):
     """A real tiny model whose logits follow a tape: the expert's rounds of ONE trajectory, in order, less the
-    "<mem>" the loop forces from round 2. Every forward of ``generate`` (its prefill, then one per decode step)
+    "<mem>" the loop forces from round 1 on. Every forward of ``generate`` (its prefill, then one per decode step)
     reads the next tape token; the prefix cache's own prefill (a ``DynamicCache``) reads none. One row, or with
     ``every_row`` every row of the batch writes the same tape."""
 

@@ -5,7 +5,7 @@
     python diagnostics.py --checkpoint runs/default/sft --objectives 4 --decisions runs/default
 
 What ``<mem>`` kept (``--memory``): ``memory_diagnostics`` (eval.py's retention by rounds-ago and turn drift,
-faithfulness, round 2's update), ``probe_by_found`` (the memory reward's two probes split by found / kept /
+faithfulness, round 1's update), ``probe_by_found`` (the memory reward's two probes split by found / kept /
 dropped) and ``p_by_round``, with the memory reward's settings from the run's ``config.json``. What RL changed:
 ``stop_value`` (``--stop-value``: does the objective pay for answering early), ``first_error`` and ``decisions``
 (``--decisions RUN``: does an RL checkpoint fix its SFT start's greedy errors, does it change the choices the
@@ -47,7 +47,7 @@ def mem_grounded(mem: str, sources: list[str]) -> bool:
 
 
 def memory_diagnostics(trajs: list, tasks: list) -> dict:
-    """``eval.memory_retention`` (retention by rounds-ago, turn drift), faithfulness, and round 2's memory update
+    """``eval.memory_retention`` (retention by rounds-ago, turn drift), faithfulness, and round 1's memory update
     (``first_update``).
 
     Faithfulness = fraction of ``<mem>`` entries whose words all occur in the question or an earlier
@@ -68,12 +68,12 @@ def memory_diagnostics(trajs: list, tasks: list) -> dict:
 
 
 def first_update(trajs: list, tasks: list) -> dict:
-    """The first memory update, round 2's ``<mem>``: the share of episodes by how many entries it writes
-    (``"none"``: the episode ended in round 1), and the share where it is exactly the expert's update after the
-    episode's own round 1: the question's paths, with the first slot filled wherever round 1 searched an
+    """The first memory update, round 1's ``<mem>`` (rounds count from 0): the share of episodes by how many entries
+    it writes (``"none"``: the episode ended in round 0), and the share where it is exactly the expert's update after
+    the episode's own round 0: the question's paths, with the first slot filled wherever round 0 searched an
     objective's first pair and its result showed the fact.
 
-    Round 1 copies the question; round 2 is the first rewrite, and past the expert's largest K it is where
+    Round 0 copies the question; round 1 is the first rewrite, and past the expert's largest K it is where
     an agent breaks, by writing the entry count it was taught, or by copying the memory without the fact it
     found. On sampled episodes ``all_right`` is what RL has to reinforce there: an update it never samples
     right, the outcome never pays.
@@ -119,8 +119,8 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
     m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode, think=think)
     acc: dict[str, list] = {"not found": [], "kept": [], "dropped": []}
     by_round: dict[str, list] = {"none found": [], "kept": [], "dropped": []}
-    rewards = [x for rs in m["rewards"] for x in rs]        # in m["scored"] order (trajectory, then round)
-    for r, (i, t) in enumerate(m.get("scored", [])):
+    rewards = m["reward"]                                  # in m["scored"] order (trajectory, then round)
+    for r, (i, t) in enumerate(m["scored"]):
         tr = trajs[i]
         tools = [rec.text for rec in tr.records if rec.type in ("search_results", "webpage")]
         lo = 0 if context == "full" else t - 1
@@ -160,12 +160,8 @@ def p_by_round(model, tokenizer, trajs: list, threshold: float = THRESHOLD,
     """
     m = memory_rewards(model, tokenizer, trajs, threshold=threshold, mask_mode=mask_mode, think=think)
     rows: dict[str, list] = {}
-    k = 0
-    for rounds in m["rounds"]:
-        for t in rounds:
-            key = str(t + 1) if t < 8 else "9+"
-            rows.setdefault(key, []).append((m["p_full"][k], m["p_mem"][k]))
-            k += 1
+    for k, (_, t) in enumerate(m["scored"]):
+        rows.setdefault(str(t) if t < 8 else "8+", []).append((m["p_full"][k], m["p_mem"][k]))
     return {key: {"p_full": sum(a for a, _ in v) / len(v), "p_mem": sum(b for _, b in v) / len(v), "n": len(v)}
             for key, v in sorted(rows.items(), key=lambda kv: (len(kv[0]), kv[0]))}
 
@@ -346,7 +342,7 @@ def print_memory_diagnostics(k: int, d: dict, probe_temperature: float, think: s
     for name, label in (("first_update", "greedy"), ("first_update_sampled", f"T={probe_temperature}")):
         if name in d:
             fu = d[name]
-            print(f"      round 2's <mem> ({label}): all entries right {fu['all_right']:.3f}, share by entry count "
+            print(f"      round 1's <mem> ({label}): all entries right {fu['all_right']:.3f}, share by entry count "
                   + json.dumps({c: round(v, 3) for c, v in fu["entries"].items()}))
     print("      P_full / P_mem by round: " + "  ".join(
         f"{r}: {v['p_full']:.2f}/{v['p_mem']:.2f}" for r, v in d["p_by_round"].items()))

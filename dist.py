@@ -116,6 +116,17 @@ def all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def any_rank(flag: bool) -> bool:
+    """True when ``flag`` holds on any rank (every rank gets the same answer)."""
+    return bool(all_sum([float(flag)])[0])
+
+
+def backward(loss: torch.Tensor) -> None:
+    """Back-propagate this rank's part of the global loss: DDP and FSDP2 average gradients over ranks, and the
+    global loss is the sum of the ranks' losses, so each rank back-propagates loss * W (plain: the loss)."""
+    (loss * DIST.world).backward()
+
+
 def all_max(values: list[float]) -> list[float]:
     """Max of each value over ranks."""
     if not is_dist():

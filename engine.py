@@ -2,7 +2,7 @@
 
 A file of its own, as nanochat keeps its engine: the agent loops above it (rollout.py, recipes/) pass token
 ids, stop strings and sampling settings down, and a reader of the algorithm may skip it. Prompts are left padded
-and prefilled in one forward; identical prompts (the G rollouts of a question in round 1) are prefilled once and
+and prefilled in one forward; identical prompts (the G rollouts of a question in round 0) are prefilled once and
 their cache rows repeated. Position ids come from the attention mask so padding does not shift them. Decoding
 writes into a preallocated ``StaticCache`` (no per-step concat of the cache), passes a preallocated 4D mask
 straight to attention (no per-step mask building), keeps outputs in one tensor (no per-step Python over rows) and

@@ -79,13 +79,13 @@ def memory_retention(trajs: list, tasks: list) -> dict:
     """How much of what the agent found its ``<mem>`` keeps, measurable because the world's facts are known.
 
     Objective k's *needed* entity after some rounds is the newest object of its gold chain that an
-    earlier search retrieved (its answer once the chain is complete). Retention at round t >= 2 =
+    earlier search retrieved (its answer once the chain is complete). Retention at round t >= 1 (from 0) =
     fraction of needed entities that ``<mem>`` holds in objective k's entry (``k = path``), by
     how many rounds ago the entity was retrieved (and pooled over 3+ rounds ago: what only ``<mem>`` can still
-    hold in the snail shell), and for rounds 2-8 vs 9-64 (turn drift).
+    hold in the snail shell), and for rounds 1-7 vs 8-63 (turn drift: the paper trains 8 rounds, evaluates 64).
     """
     kept = {b: [0, 0] for b in AGO_BUCKETS}
-    drift = {"rounds 2-8": [0, 0], "rounds 9-64": [0, 0]}
+    drift = {"rounds 1-7": [0, 0], "rounds 8-63": [0, 0]}
     for traj in trajs:
         task = tasks[traj.group_id]
         tools = [r.text for r in traj.records if r.type in ("search_results", "webpage")]
@@ -104,7 +104,7 @@ def memory_retention(trajs: list, tasks: list) -> dict:
                         if b[0] <= ago <= b[1]:
                             kept[b][0] += hit
                             kept[b][1] += 1
-                    d = drift["rounds 2-8" if t < 8 else "rounds 9-64"]
+                    d = drift["rounds 1-7" if t < 8 else "rounds 8-63"]
                     d[0] += hit
                     d[1] += 1
             if t < len(tools) and rnd.action == "search":

@@ -1,21 +1,21 @@
 """GRPO advantages and the clipped PPO loss, with MemPO's memory advantage: pure functions, to copy out.
 
 GRPO samples G rollouts per question (a *group*) and uses the group itself as the baseline; MemPO adds an
-advantage for each round's memory, its reward (P_mem - P_full, reward.py) normalised over a pool of every
-trajectory AND every round of the same question:
+advantage for each round's memory, its reward (P_mem - P_full, reward.py) normalised the same way over a pool of
+every trajectory AND every round of the same question:
 
     A_T[i]    = (score_i - mean_group) / (std_group + eps)               outcome, one per rollout
     A_M[i, t] = (mem_reward[i, t] - mean_pool) / (std_pool + eps)        memory, one per round
     A         = A_T + w * A_M on round t's <mem>...</mem> tokens, A_T on the other sampled tokens
 
 The loss is PPO's clipped surrogate on per-token ratios rho = exp(logp - logp_old), aggregated over tokens
-(verl's default) or per trajectory first (the paper's Eq. 10). Mask convention: 1 = sampled by the policy, 0 =
-prompt, tool output, padding. std is the unbiased one (torch.std, verl's): a group of scores [1,0,1,1,0] gets
-+0.7303 / -1.0954, not the population std's +0.8 / -1.2. Each function's docstring holds its options.
+(verl's default) or per trajectory first (the paper's Eq. 10). With one optimizer step per batch (train.py's
+default) old_logp is the same forward's, rho = 1 and the clip never acts: the update is REINFORCE with the group
+baseline. Mask convention: 1 = sampled by the policy, 0 = prompt, tool output, padding. std is the unbiased one
+(torch.std, verl's): a group of scores [1,0,1,1,0] gets +0.7303 / -1.0954, not the population std's +0.8 / -1.2.
 
-Left out: sampling, the reference model and the optimizer (the caller's); a value model (GRPO has none).
-Here for every recipe: Dr.GRPO's and DAPO's options and the training rows (``Sample``, ``collate``,
-``micro_batches``).
+Left out: sampling, the reference model and the optimizer (the caller's); a value model (GRPO has none). Here
+for every recipe: Dr.GRPO's and DAPO's options and the training rows (``Sample``, ``collate``, ``micro_batches``).
 """
 from __future__ import annotations
 
@@ -52,65 +52,14 @@ def grouped_advantage(scores: Tensor, group_ids: Tensor, eps: float = 1e-6,
     return centred / (std[index] + eps)
 
 
-def _unbiased_std(values: list[float]) -> float:
-    """The unbiased std of >= 2 floats (torch.std's, as grouped_advantage uses)."""
-    mean = sum(values) / len(values)
-    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+def memory_advantage(mem_reward: Tensor, question_ids: Tensor, eps: float = 1e-6) -> Tensor:
+    """A_M: each round's memory reward normalised over its pool, every round of every trajectory of its question;
+    mem_reward, question_ids (M,) one entry per scored round -> (M,).
 
-
-def _memory_pools(mem_rewards: list[list[float]], group_ids: list[int], rounds: list[list[int]] | None,
-                  norm: str) -> list[list[tuple[int, int]]]:
-    """Who competes with whom under ``norm``: the pools, as lists of (trajectory i, position k in mem_rewards[i])."""
-    if norm not in ("std", "none", "round", "nonzero"):
-        raise ValueError(f"unknown norm {norm!r}")
-    if norm == "round" and rounds is None:
-        raise ValueError("norm='round' needs the round index of every reward (memory_rewards' out['rounds'])")
-    pools: dict[tuple, list[tuple[int, int]]] = {}   # pool key -> members
-    for i, (rewards, g) in enumerate(zip(mem_rewards, group_ids)):
-        for k, r in enumerate(rewards):
-            if norm == "nonzero" and r == 0:
-                continue
-            key = (g, rounds[i][k]) if norm == "round" else (g,)   # the REAL round index, not position k
-            pools.setdefault(key, []).append((i, k))
-    return list(pools.values())
-
-
-def memory_advantage(mem_rewards: list[list[float]], group_ids: list[int],
-                     rounds: list[list[int]] | None = None, eps: float = 1e-6,
-                     norm: str = "std", std_floor: float = 0.0) -> list[list[float]]:
-    """A_M: every memory reward normalised over its pool; ``mem_rewards[i][k]`` (trajectory i) -> same nested shape.
-
-    The paper's pool (``norm="std"``) is every reward of every trajectory AND round of one question (group):
-    A_M = (r - pool mean) / (unbiased pool std + eps); a pool of one gets 0. Other pools, not in the paper:
-    ``"none"`` subtracts the pool mean only; ``"round"`` pools per question and round index (round 2 memories
-    compete only with round 2 memories), read from ``rounds[i][k]`` (memory_rewards' ``out["rounds"]``: a round
-    without a closed ``</mem>`` is not scored, so list position is not the round); ``"nonzero"`` leaves zero
-    rewards (usually both P = 0: no signal) out of the pool, with advantage 0. ``std_floor`` > 0 divides by
-    max(std, std_floor): a pool whose rewards differ by a hair gets advantages of that hair's size, not unit
-    variance.
+    The paper's pool is GRPO's group normalisation with the question as the group, over the flattened per-round
+    rewards: a pool of one gets 0, a constant pool 0. Pools the paper does not have: variants.py.
     """
-    out = [[0.0] * len(rewards) for rewards in mem_rewards]
-    for members in _memory_pools(mem_rewards, group_ids, rounds, norm):
-        pool = [mem_rewards[i][k] for i, k in members]
-        mean = sum(pool) / len(pool)
-        if norm == "none":
-            normed = [v - mean for v in pool]
-        elif len(pool) == 1:
-            normed = [0.0]
-        else:
-            std = max(_unbiased_std(pool), std_floor)
-            normed = [(v - mean) / (std + eps) for v in pool]
-        for (i, k), a in zip(members, normed):
-            out[i][k] = a
-    return out
-
-
-def memory_pool_weights(mem_rewards: list[list[float]], mem_adv: list[list[float]], group_ids: list[int],
-                        rounds: list[list[int]] | None = None, norm: str = "std") -> list[tuple[float, float]]:
-    """(unbiased reward std, sum of |A_M|) of each pool of >= 2 rewards: how much of the memory advantage's
-    magnitude a pool of a given spread carries (a pool whose rewards differ by 1e-3 still gets unit variance)."""
-    return [(_unbiased_std([mem_rewards[i][k] for i, k in members]), sum(abs(mem_adv[i][k]) for i, k in members))
-            for members in _memory_pools(mem_rewards, group_ids, rounds, norm) if len(members) > 1]
+    return grouped_advantage(mem_reward, question_ids, eps)
 
 
 def token_advantages(outcome_adv: Tensor, mem_adv: Tensor, loss_mask: Tensor, mem_weight: float = 1.0) -> Tensor:

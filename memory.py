@@ -21,6 +21,9 @@ Deviations from the original code, each on purpose:
 
 ``mem_traj`` for the memory reward = the initial prompt (system + question + generation prompt)
 followed by the round's tokens cut right after ``</mem>``.
+
+Rounds count from 0 everywhere in this code: round 0 is the first, which has no history and needs no ``<mem>``;
+the paper's "every round t >= 2" is every round t >= 1 here.
 """
 from __future__ import annotations
 

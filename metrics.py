@@ -7,20 +7,31 @@ magnitude goes: the share of sum |A_M| from pools whose rewards differ by less t
 divided by its std, so a pool of near-equal rewards still gets unit-variance advantages), what the rounds
 with nothing to keep receive, and the mean A_M on rounds that search, answer, or answer early (before the last hop). A file of its own so the RL step reads without it.
 
-``metric_values`` collects one rank's values, ``dist.gather_metrics`` joins the ranks', ``step_metrics`` reduces.
+``rl_metrics`` is what the step calls: ``metric_values`` collects one rank's values, ``dist.gather_metrics`` joins the
+ranks', ``step_metrics`` reduces.
 """
 from __future__ import annotations
 
 import torch
 
 import data
-from grpo import memory_pool_weights
+import dist
+from variants import memory_pool_weights
 
 
-def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], mem_adv: list[list[float]] | None,
+def rl_metrics(trajs, outs: list[dict], mem: dict | None, adv_m: dict, search_failures: int,
+               mem_adv_norm: str = "std") -> dict:
+    """One RL step's metrics over every rank's trajectories: this rank's ``metric_values``, gathered (dist.py),
+    then ``step_metrics``."""
+    v = metric_values(trajs, outs, mem, [t.group_id for t in trajs], adv_m, mem_adv_norm)
+    v["search_failures"] = [search_failures]
+    return step_metrics(dist.gather_metrics(v))
+
+
+def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int], adv_m: dict | None,
                   mem_adv_norm: str = "std") -> dict[str, list]:
-    """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``);
-    ``mem_adv_norm``: how the memory advantage pooled its rewards (``grpo.memory_advantage``'s ``norm``)."""
+    """This rank's per-trajectory (and per-round) values behind the step's metrics (``step_metrics``); ``adv_m``:
+    A_M by (trajectory, round); ``mem_adv_norm``: how the memory advantage pooled its rewards (variants.py)."""
     ks = [len(t.golds) for t in trajs]
     v = {"outs": outs, "turns": [len(t.rounds) for t in trajs],
          "tokens": [sum(r.n_tokens for t in trajs for r in t.rounds)],
@@ -28,13 +39,14 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
          "k": ks, "groups": group_stats(outs, mem, group_ids, ks)}
     if mem is not None:
         # a group never spans ranks, so each rank's memory pools are whole: its per-pool stds are final
-        v |= {"mem": [x for r in mem["rewards"] for x in r], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
+        v |= {"mem": mem["reward"], "p_mem": mem["p_mem"], "p_full": mem["p_full"],
               "mask_mem": mem["mask_mem"], "mask_full": mem["mask_full"], "empty": [mem["empty_frac"] * mem["n"]],
               "no_signal": [mem["no_signal_frac"] * mem["n"]]}
         # each pool's (std, sum |A_M|): the stds the advantages are divided by, and where their magnitude goes
-        pool_w = memory_pool_weights(mem["rewards"], mem_adv, group_ids, mem["rounds"], mem_adv_norm)
+        flat_adv = [adv_m[k] for k in mem["scored"]]
+        pool_w = memory_pool_weights(mem["reward"], flat_adv, [group_ids[i] for i, _ in mem["scored"]],
+                                     [t for _, t in mem["scored"]], mem_adv_norm)
         no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
-        flat_adv = [a for r in mem_adv for a in r]
         # the round each A_M lands on: an answer given early (before the question's last hop), another answer, a search
         kind = ["early" if trajs[i].rounds[t].action == "answer" and data.early_answer(trajs[i])
                 else "answer" if trajs[i].rounds[t].action == "answer" else "search" for i, t in mem["scored"]]
@@ -52,12 +64,11 @@ def group_stats(outs: list[dict], mem: dict | None, group_ids: list[int],
     members: dict[int, list[int]] = {}
     for i, g in enumerate(group_ids):
         members.setdefault(g, []).append(i)
-    stats = []
-    for idx in members.values():
-        flat = {outs[i]["score"] for i in idx}
-        rewards = {x for i in idx for x in mem["rewards"][i]} if mem is not None else set()
-        stats.append((len(flat) == 1, len(rewards) > 1, ks[idx[0]]))
-    return stats
+    rewards: dict[int, set] = {}                         # group -> the memory rewards of its rounds
+    for (i, _), x in zip(mem["scored"], mem["reward"]) if mem is not None else ():
+        rewards.setdefault(group_ids[i], set()).add(x)
+    return [(len({outs[i]["score"] for i in idx}) == 1, len(rewards.get(g, ())) > 1, ks[idx[0]])
+            for g, idx in members.items()]
 
 
 def step_metrics(v: dict[str, list]) -> dict:

@@ -11,6 +11,8 @@ instruct model this project reaches without a model hub). Choices, with their re
 3. flash-attention-2 on CUDA when ``flash_attn`` imports, else SDPA.
 4. LoRA (``--lora-rank``) through ``peft``, the field's library, imported only then: the base stays frozen and
    in memory once, since the KL reference is that same model with its adapters switched off (``AdaptersOff``).
+5. A chat template that rewrites earlier assistant turns (Qwen3's keeps only what follows ``</think>``, which
+   would drop the previous round's ``<mem>`` unseen) gets every message as written (``encode_chat``).
 The tiny embedded model and its tokenizer are built in data.py; the system prompt a checkpoint carries is
 ``rollout.checkpoint_prompt`` (with the protocol prompt it falls back to).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import re
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,3 +171,59 @@ class AdaptersOff:
     def __call__(self, *args, **kwargs):
         with self.model.disable_adapter():
             return self.model(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- chat templates that keep every message
+
+# a conversation whose every message a faithful template renders as written; each assistant turn holds a
+# </think>, the mark a reasoning model's template cuts earlier turns at
+PROBE_CHAT = [{"role": "system", "content": "probe system"}, {"role": "user", "content": "probe question"},
+              {"role": "assistant", "content": "<mem> probe memory 1 </mem> <think> probe 1 </think> <search> q1 </search>"},
+              {"role": "user", "content": "<information> probe result 1 </information>"},
+              {"role": "assistant", "content": "<mem> probe memory 2 </mem> <think> probe 2 </think> <search> q2 </search>"},
+              {"role": "user", "content": "<information> probe result 2 </information>"}]
+SLOT_RE = re.compile(r"\x00slot(\d+)\x00")
+_VERBATIM: dict[str, bool] = {}         # chat template -> does it need the verbatim rendering
+
+
+def rewrites_messages(tokenizer) -> bool:
+    """Does the tokenizer's chat template drop or change the text of a message (``PROBE_CHAT``)?
+
+    Qwen3's template keeps, of every assistant turn before the last user message, only what follows
+    ``</think>``: the previous round's ``<mem>`` would vanish from the next round's context unseen.
+    """
+    text = tokenizer.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, tokenize=False)
+    return not all(m["content"] in text for m in PROBE_CHAT)
+
+
+def needs_verbatim(tokenizer) -> bool:
+    """``rewrites_messages``, judged once per chat template; the first time it is true, one line says so."""
+    key = tokenizer.chat_template or ""
+    if key not in _VERBATIM:
+        _VERBATIM[key] = rewrites_messages(tokenizer)
+        if _VERBATIM[key]:
+            slots = render_verbatim(tokenizer, PROBE_CHAT)
+            if not all(m["content"] in slots for m in PROBE_CHAT):
+                raise SystemExit(f"the chat template of {tokenizer.name_or_path or 'the tokenizer'} drops messages "
+                                 f"even in place holders: give the tokenizer a template that keeps every message")
+            print(f"chat template of {tokenizer.name_or_path or 'the tokenizer'}: it rewrites earlier assistant "
+                  f"turns, so every message goes in as written, in the template's own turn markers")
+    return _VERBATIM[key]
+
+
+def render_verbatim(tokenizer, messages: list[dict]) -> str:
+    """The chat template's text of ``messages`` with each message's content exactly as written: the template
+    renders a place holder per message (no ``</think>`` to cut at) and each is replaced by its content."""
+    slots = [{"role": m["role"], "content": f"\x00slot{i}\x00"} for i, m in enumerate(messages)]
+    text = tokenizer.apply_chat_template(slots, add_generation_prompt=True, tokenize=False)
+    return SLOT_RE.sub(lambda s: messages[int(s.group(1))]["content"], text)
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat messages -> ids with the assistant turn opened, every message's content as written (a template
+    that rewrites earlier turns is rendered around it: ``needs_verbatim``)."""
+    if needs_verbatim(tokenizer):
+        text = render_verbatim(tokenizer, messages)
+    else:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -6,35 +6,32 @@ split on ``;``, part k against objective k's aliases:
 
     score = (# objectives matched exactly) / K      em = 1 iff all K match      f1 = mean word F1
 
-**Memory reward** (the paper's extra forward pass). For trajectory i and every round t >= 2 with a ``<mem>``:
+**Memory reward** (the paper's extra forward pass). For trajectory i and every round t >= 1 (rounds count from 0:
+every round after the first) whose ``<mem>`` closed:
 
     full_traj[i,t] = the exact context the model saw before round t (no forced prefix)
-    mem_traj[i,t]  = system + question + round t cut right after </mem>
+    mem_traj[i,t]  = system + question + round t cut right after </mem>          (memory.mem_traj)
     answer         = "<think> probe </think> <answer> g1 ; ... ; gK </answer>", ans_mask = the gold words
     P              = exp(mean(logp_word over ans_mask & (logp_word > log threshold)))
     mem_reward[i,t] = P_mem - P_full
 
-All 2N (context, answer) pairs go through one no-grad pass, in micro-batches; grpo.py pools and normalises the
-rewards. The math works on token ids (``p_mem_minus_p_full``); ``memory_rewards`` picks the rounds and builds
-their two contexts from trajectories, read by attribute. The file imports nothing of the project, so it
-copies out alone (torch; a tokenizer and a model are passed in).
-Choices, with their reasons (measured: results/STUDIES.md):
-1. Both probes are in distribution: the think word is a marker, ``probe``, the policy never writes, and SFT
-   teaches it (``sft.probe_samples``, ``sft.file_probe_samples`` for ``--sft-data``) to answer after a round's
-   context and after prompt + ``<mem>``. A small policy answers only where it has learnt to; without these rows
-   P_full was ~0.01 and the reward was P_mem. A policy that never learnt the marker is probed after ``answer``.
-   ``full_traj`` stays the paper's: appending the round's ``<mem>`` would let P_full see the memory too.
-2. Confidence is judged per gold word (log p summed over its tokens), not per token: on a BPE tokenizer a
-   name's later pieces are predictable from its first, and per-token masks kept names the probe could not write.
-3. The answer template is encoded once and ``ans_mask`` comes from character offsets, so word-level and BPE
-   tokenizers alike get the tokenizer's own ids. An empty mask gives P = 0, never NaN.
-4. ``mask_mode="full"`` (not in the paper): both P average over the words the FULL context is confident on,
-   so a memory that lost an answer is penalised instead of dropping it from its own mean.
-5. K objectives: a missing part is "", extra parts are ignored, K = 0 scores 0. Format rules are checked in
-   order and the first broken one is reported (``validate_format``).
-6. Micro-batches: rows are sorted by length and split by ``token_budget`` and ``pad_limit`` (capped at
-   ``CPU_TOKENS`` on CPU, where bigger forwards cost more per token); only the answer positions are
-   projected to logits. Results come back on the CPU in input order; the caller sets the model's mode.
+All 2N (context, answer) pairs go through one no-grad pass, in micro-batches; grpo.py normalises the rewards.
+The math works on token ids (``p_mem_minus_p_full``); ``memory_rewards`` picks the rounds and builds their two
+contexts from trajectories, read by attribute. The file imports only memory.py of the project, so the two copy
+out together (torch; a tokenizer and a model are passed in). Choices:
+
+1. The think word is a marker, ``probe``, that the policy never writes; SFT's probe rows teach the policy to
+   answer after it, after a round's context and after prompt + ``<mem>`` (sft.py), so both probes sit where a
+   small policy can answer. A policy that never learnt the marker is probed after ``answer``.
+2. Confidence is judged per gold word (log p summed over its tokens), not per token: on a BPE tokenizer a name's
+   later pieces are predictable from its first, so per-token masks would keep names the probe could not write.
+3. The answer template is encoded once and ``ans_mask`` comes from character offsets, so any tokenizer gets its
+   own ids. An empty mask gives P = 0, never NaN. ``mask_mode="full"`` (not the paper's) averages both P over the
+   words the full context is confident on.
+4. K objectives: a missing part is "", extra parts are ignored, K = 0 scores 0. Format rules are checked in order
+   and the first broken one is reported, with its round.
+5. Micro-batches: rows sorted by length and split by ``token_budget`` and ``pad_limit`` (at most ``CPU_TOKENS`` on
+   CPU, where bigger forwards cost more per token); only the answer positions are projected to logits.
 """
 from __future__ import annotations
 
@@ -46,6 +43,8 @@ from collections import Counter
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
+
+from memory import mem_traj
 
 PUNCT = set(string.punctuation)
 TAG_RE = re.compile(r"<(/?)(mem|think|search|access|answer|information)>")
@@ -101,8 +100,8 @@ def score_answer(pred: str | None, golds: list[list[str]]) -> dict:
 
 # --------------------------------------------------------------------------- format
 
-def _check_round(text: str, t: int, last: bool, require_mem_from: int) -> str | None:
-    """The first broken rule of round t (0-based) as "rule N: why", or None."""
+def _check_round(text: str, t: int, last: bool, mem_from: int) -> str | None:
+    """The first broken rule of round t as "rule N: why", or None."""
     spans: list[tuple[str, str]] = []      # (tag, body) in order of appearance
     outside: list[str] = []
     open_tag, open_end, pos = None, 0, 0
@@ -143,19 +142,20 @@ def _check_round(text: str, t: int, last: bool, require_mem_from: int) -> str | 
         return "rule 6: answers before the last round"
     if not next(body for k, body in spans if k == actions[0]).strip():
         return f"rule 7: empty <{actions[0]}>"
-    if t + 1 >= require_mem_from and "mem" not in kinds:
+    if t >= mem_from and "mem" not in kinds:
         return "rule 8: no <mem>"
     return None
 
 
-def validate_format(rounds: list[str], require_mem_from: int = 2) -> tuple[bool, str]:
-    """(True, "ok") or (False, "rule N: why") for the first broken rule; rounds[t] = round t+1's text."""
+def validate_format(rounds: list[str], mem_from: int = 1) -> tuple[bool, str]:
+    """(True, "ok") or (False, "rule N: why (round t)") for the first broken rule; ``rounds[t]`` = round t's text,
+    and every round from ``mem_from`` on must write ``<mem>`` (rule 8: all but the first)."""
     if not rounds:
         return False, "rule 6: no rounds, so no <answer>"
     for t, text in enumerate(rounds):
-        why = _check_round(str(text), t, t == len(rounds) - 1, require_mem_from)
+        why = _check_round(str(text), t, t == len(rounds) - 1, mem_from)
         if why is not None:
-            return False, f"{why} (round {t + 1})"
+            return False, f"{why} (round {t})"
     return True, "ok"
 
 
@@ -309,41 +309,30 @@ def p_mem_minus_p_full(model, full_traj: list[list[int]], mem_traj: list[list[in
 
 def memory_rewards(model, tokenizer, trajs: list, threshold: float = THRESHOLD, mask_mode: str = MEM_MASK,
                    think: str = PROBE_THINK, token_budget: int = 8192) -> dict:
-    """``p_mem_minus_p_full`` of every round >= 2 with a <mem> span of ``trajs`` (rollout.Trajectory's fields).
+    """``p_mem_minus_p_full`` of every round t >= 1 of ``trajs`` whose ``<mem>`` closed (rollout.Trajectory's fields).
 
     Reads ``tr.golds``, ``tr.prompt_ids`` (system + question + generation prompt) and, per round,
     ``context_ids`` (full_traj), ``round_ids`` and ``mem_end`` (its leading ``<mem>...</mem>`` tokens, 0 = none).
-    Returns one dict: ``rewards[i]`` / ``rounds[i]`` (trajectory i's rewards and their round indices),
-    ``scored`` (the N (i, t) pairs in the order of every per-round value), ``p_mem`` / ``p_full`` and
-    ``mask_mem`` / ``mask_full`` (N,) (P and its count of confident gold words), ``word_logp_mem`` /
-    ``word_logp_full`` (N, W), ``n`` = N, ``empty_frac`` and ``no_signal_frac`` (the share of rounds with a
-    probe, or both, confident on no gold word).
+    Returns one dict of per-round values, all in the order of ``scored``, the N (trajectory i, round t) pairs:
+    ``reward`` (P_mem - P_full), ``p_mem`` / ``p_full`` and ``mask_mem`` / ``mask_full`` (P and its count of
+    confident gold words), ``word_logp_mem`` / ``word_logp_full`` (N, W); and ``n`` = N, ``empty_frac`` /
+    ``no_signal_frac`` (the share of rounds with a probe, or both, confident on no gold word).
     """
-    # the rounds scored: t >= 2 (index >= 1) whose <mem> span closed
     scored = [(i, t) for i, tr in enumerate(trajs) for t, r in enumerate(tr.rounds) if t >= 1 and r.mem_end > 0]
     N = len(scored)
     templates = {i: answer_template(tokenizer, trajs[i].golds, think) for i, _ in scored}
-    full_traj, mem_traj = [], []
-    for i, t in scored:
-        rnd = trajs[i].rounds[t]
-        full_traj.append(rnd.context_ids)
-        # memory.mem_traj written out (this file imports nothing of the project): prompt + round cut after </mem>
-        mem_traj.append(list(trajs[i].prompt_ids) + list(rnd.round_ids[:rnd.mem_end]))
+    rounds = [trajs[i].rounds[t] for i, t in scored]
+    full_traj = [r.context_ids for r in rounds]
+    mem_trajs = [mem_traj(trajs[i].prompt_ids, r.round_ids, r.mem_end) for (i, _), r in zip(scored, rounds)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out = p_mem_minus_p_full(model, full_traj, mem_traj, [templates[i][0] for i, _ in scored],
+    out = p_mem_minus_p_full(model, full_traj, mem_trajs, [templates[i][0] for i, _ in scored],
                              [templates[i][1] for i, _ in scored], pad_id, threshold, mask_mode, token_budget)
-
-    rewards: list[list[float]] = [[] for _ in trajs]
-    rounds: list[list[int]] = [[] for _ in trajs]
-    for r, (i, t) in enumerate(scored):
-        rewards[i].append(float(out["mem_reward"][r]))
-        rounds[i].append(t)
     # empty_frac: a probe with no confident answer word on either side; with separate masks that includes a
     # dropped answer (P_full confident, P_mem empty: a strong negative reward). no_signal_frac: NEITHER probe
     # is confident, the only rounds whose reward is 0 by construction
     n_full, n_mem = out["n_full"], out["n_mem"]
     share = lambda flags: float(flags.float().mean()) if N else 0.0
-    return {"rewards": rewards, "rounds": rounds, "scored": scored, "n": N,
+    return {"scored": scored, "reward": out["mem_reward"].tolist(), "n": N,
             "p_mem": out["p_mem"].tolist(), "p_full": out["p_full"].tolist(), "mask_mem": n_mem.tolist(),
             "mask_full": n_full.tolist(), "word_logp_full": out["word_logp_full"],
             "word_logp_mem": out["word_logp_mem"],

@@ -3,18 +3,20 @@
 Per round, for every live trajectory,
 
     messages = memory.prepare_prompt(records)      # snail: question + last round; full: everything
-    context  = chat_template(messages) + forced "<mem>" prefix (rounds >= 2, option)
+    context  = chat_template(messages) + forced "<mem>" prefix (every round after the first, option)
     output   = engine.generate(context)            # stops at </search>, </access>, </answer>, EOS
     tool     = BM25 search (top-k docs) | access (one whole document) | answer -> done
 
 and records what the memory reward and the update need (``Round``): the exact context ids the model saw
-(``full_traj``), the forced prefix, the sampled ids and the ``<mem>...</mem>`` span. Each round is one training
-sample ``context + prefix + output``, loss mask 1 on ``output`` only: in ``full`` mode the same tokens and
-conditioning as the original's one growing sequence, computed per round for simplicity.
+(``full_traj``), the forced prefix, the sampled ids, and, computed once, the ``<mem>...</mem>`` span and the
+sampled span in the positions of ``context + prefix + output`` (``Round.mem_span``, ``Round.policy_span``). In
+``full`` mode a round's context is the trajectory so far, so the same positions place the round in the
+trajectory's one growing row. Rounds count from 0: round 0 is the first, with no forced prefix.
 
 Choices: a round that ends in no action tag (EOS, max tokens) ends its trajectory, which the format check then
 scores 0; a round's text ends at its first closing action tag (``cut_at_stop``) while its ids stay exactly as
-sampled; the next prompt is the chat template of the records' text, every message as written (``encode_chat``);
+sampled; the next prompt is the chat template of the records' text, every message as written (models.py's
+``encode_chat``);
 tool output is a whole chunk of the next prompt, never fed token by token. The system prompt is
 ``PROTOCOL_PROMPT`` for a model from elsewhere, a checkpoint's own for ours (``checkpoint_prompt``).
 """
@@ -28,6 +30,7 @@ import torch
 
 from engine import PrefixCache, generate, stop_strings
 from memory import Record, mem_token_end, prepare_prompt, tool_record
+from models import encode_chat
 from search import Retriever
 
 PROTOCOL_PROMPT = """You are a research agent that answers questions by searching a document collection. \
@@ -114,68 +117,14 @@ class AgentConfig:
     max_new_tokens: int = 96
     temperature: float = 0.7
     top_p: float = 1.0
-    mem_prefix: bool = True      # force "<mem>" at the start of rounds >= 2
+    mem_prefix: bool = True      # force "<mem>" at the start of every round after the first
     webpage_chars: int = 100
     prefix_cache: bool = True    # prefill system + question once per question (PrefixCache); False: every round in full
 
 
-# a conversation whose every message a faithful template renders as written; each assistant turn holds a
-# </think>, the mark a reasoning model's template cuts earlier turns at
-PROBE_CHAT = [{"role": "system", "content": "probe system"}, {"role": "user", "content": "probe question"},
-              {"role": "assistant", "content": "<mem> probe memory 1 </mem> <think> probe 1 </think> <search> q1 </search>"},
-              {"role": "user", "content": "<information> probe result 1 </information>"},
-              {"role": "assistant", "content": "<mem> probe memory 2 </mem> <think> probe 2 </think> <search> q2 </search>"},
-              {"role": "user", "content": "<information> probe result 2 </information>"}]
-SLOT_RE = re.compile(r"\x00slot(\d+)\x00")
-_VERBATIM: dict[str, bool] = {}         # chat template -> does it need the verbatim rendering
-
-
-def rewrites_messages(tokenizer) -> bool:
-    """Does the tokenizer's chat template drop or change the text of a message (``PROBE_CHAT``)?
-
-    Qwen3's template keeps, of every assistant turn before the last user message, only what follows
-    ``</think>``: the previous round's ``<mem>`` would vanish from the next round's context unseen.
-    """
-    text = tokenizer.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, tokenize=False)
-    return not all(m["content"] in text for m in PROBE_CHAT)
-
-
-def needs_verbatim(tokenizer) -> bool:
-    """``rewrites_messages``, judged once per chat template; the first time it is true, one line says so."""
-    key = tokenizer.chat_template or ""
-    if key not in _VERBATIM:
-        _VERBATIM[key] = rewrites_messages(tokenizer)
-        if _VERBATIM[key]:
-            slots = render_verbatim(tokenizer, PROBE_CHAT)
-            if not all(m["content"] in slots for m in PROBE_CHAT):
-                raise SystemExit(f"the chat template of {tokenizer.name_or_path or 'the tokenizer'} drops messages "
-                                 f"even in place holders: give the tokenizer a template that keeps every message")
-            print(f"chat template of {tokenizer.name_or_path or 'the tokenizer'}: it rewrites earlier assistant "
-                  f"turns, so every message goes in as written, in the template's own turn markers")
-    return _VERBATIM[key]
-
-
-def render_verbatim(tokenizer, messages: list[dict]) -> str:
-    """The chat template's text of ``messages`` with each message's content exactly as written: the template
-    renders a place holder per message (no ``</think>`` to cut at) and each is replaced by its content."""
-    slots = [{"role": m["role"], "content": f"\x00slot{i}\x00"} for i, m in enumerate(messages)]
-    text = tokenizer.apply_chat_template(slots, add_generation_prompt=True, tokenize=False)
-    return SLOT_RE.sub(lambda s: messages[int(s.group(1))]["content"], text)
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat messages -> ids with the assistant turn opened, every message's content as written (a template
-    that rewrites earlier turns is rendered around it: ``needs_verbatim``)."""
-    if needs_verbatim(tokenizer):
-        text = render_verbatim(tokenizer, messages)
-    else:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def question_prefix(tokenizer, system_prompt: str, question: str) -> list[int]:
     """Ids every round's context of ``question`` starts with (system prompt + question as the chat template
-    renders them): the common start of round 1's prompt and a later round's, less round 1's last token."""
+    renders them): the common start of the first round's prompt and a later round's, less its last token."""
     first = encode_chat(tokenizer, prepare_prompt([Record("prompt", question)], system_prompt))
     later = encode_chat(tokenizer, prepare_prompt([Record("prompt", question), Record("llm_gen", "<mem>"),
                                                    tool_record("search_results", "<information>")], system_prompt))

@@ -12,13 +12,13 @@ checkpoints). MemPO's cold start (``cold_start``) feeds it:
   episodes with the forgetting flaw; plus probe rows (``probe_samples``, ``--sft-probe``): both contexts the
   memory reward scores -> the answers that context holds, after a ``<think> probe </think> <answer>``
   marker without loss (reward.py, choice 1); with ``--sft-copy-mix``, copy rows of ``--sft-copy-objectives``
-  too (round 1 of questions longer than the expert's, which otherwise garbles past its largest K);
+  too (the first round of questions longer than the expert's, which otherwise garbles past its largest K);
 * or, with ``--sft-data``, ``file_batch``: rounds of a chat-format trajectory file, rendered with the run's
   system prompt, and probe rows of its rounds (``file_probe_samples``: the answers a context or a ``<mem>``
   holds are read off its text), so the memory reward's probes are in distribution on this path too.
 
 Every row is rendered exactly as the agent loop renders the round (``episode_samples``: snail or full
-context, the forced ``<mem>`` prefix without loss on rounds >= 2). The lr warms up linearly, then follows a
+context, the forced ``<mem>`` prefix without loss on every round after the first). The lr warms up linearly, then follows a
 cosine to 0 (``cosine_lr``). ``held_out_f1`` is the periodic greedy check on held-out worlds that the SFT and
 RL logs carry (``val_f1_k2`` / ``val_f1_k4``); eval.py reports the full tables.
 
@@ -71,7 +71,7 @@ def episode_samples(tokenizer, question: str, rounds: list[tuple[str, str | None
     """Render one episode's rounds as training rows, exactly as the agent loop would see them.
 
     ``rounds[t] = (assistant text, tool result or None)``. Row t = the round's context (``context``: snail or
-    full) + the forced ``<mem>`` prefix (rounds >= 2, loss mask 0) + the rest of the round. ``picked_rounds``
+    full) + the forced ``<mem>`` prefix (rounds t >= 1, loss mask 0) + the rest of the round. ``picked_rounds``
     (0-based round indices) renders only those rows; None renders all.
     """
     prefix = tokenizer.encode("<mem>", add_special_tokens=False) if mem_prefix else []
@@ -110,7 +110,7 @@ def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rn
                   context: str = "snail", think: str = data.PROBE, turns: list | None = None) -> list[Sample]:
     """Probe rows: teach the policy to answer from BOTH contexts the memory reward scores.
 
-    For each expert round t >= 2 (``picked_rounds`` of them; with probability ``p``) two rows, so neither probe is
+    For each expert round t >= 1 (``picked_rounds`` of them; with probability ``p``) two rows, so neither probe is
     favoured: ``full_traj`` (the round's context as the agent saw it, no forced prefix) -> the answers that
     context holds (``data.context_answers``), and ``mem_traj`` (prompt + the round's ``<mem>``) -> the
     answers that memory holds (``data.answers_from_mem``); ``unknown`` where there is none. Both end in
@@ -159,7 +159,7 @@ def held_answers(golds: list[list[str]], text: str) -> list[str]:
 def file_probe_samples(tokenizer, trajectory: dict, rng: random.Random, p: float, system_prompt: str,
                        picked_rounds: set[int], context: str = "snail", think: str = data.PROBE) -> list[Sample]:
     """Probe rows of a trajectory file's round (``--sft-data``), as ``probe_samples`` makes of the expert's: for
-    each picked round t >= 2 with a ``<mem>`` (with probability ``p``), the round's context -> the gold answers
+    each picked round t >= 1 with a ``<mem>`` (with probability ``p``), the round's context -> the gold answers
     its earlier rounds and results hold, and prompt + ``<mem>`` -> those the memory holds (``held_answers``; the
     question itself does not count). Golds: the line's ``golden_answers``, else the trajectory's own last
     ``<answer>`` (a file of successful episodes)."""
@@ -340,7 +340,7 @@ def fill_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
     round's ``<mem>`` fills that one slot and carries the other entries whole.
 
     The expert's update rounds only ever rewrite a memory of its own K entries; these rows (names and results
-    drawn at random, no world) show a round >= 2 updating a memory of any K in ``objectives``, in the snail
+    drawn at random, no world) show a later round updating a memory of any K in ``objectives``, in the snail
     context the loop renders (the forced ``<mem>`` prefix without loss). With ``action`` the row goes on to
     the round's search (``round_action``)."""
     rng = random.Random(cfg.seed * 5_000_011 + step + 7_919_000)
@@ -388,7 +388,7 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
             return copy_batch(tokenizer, cfg, step, system_prompt)
         rows = sft_batch(tokenizer, cfg, step, system_prompt)
         ks = data.int_range(cfg.sft_copy_objectives)
-        if cfg.sft_copy_mix > 0:         # copy rows past the expert's K keep round 1 of longer questions trained
+        if cfg.sft_copy_mix > 0:         # copy rows past the expert's K keep round 0 of longer questions trained
             rows += copy_batch(tokenizer, cfg, step, system_prompt, round(cfg.sft_copy_mix * cfg.sft_batch),
                                (ks[0], ks[-1]), cfg.sft_row_action)
         if cfg.sft_fill_mix > 0:         # and fill rows a later round's update of that many entries

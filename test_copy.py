@@ -1,5 +1,6 @@
-"""grpo.py, memory.py and reward.py each copy out alone: copied by itself into an empty folder, each file imports
-in a fresh Python that cannot see this repository and computes its core on small inputs known by hand."""
+"""grpo.py, memory.py and reward.py copy out alone (reward.py with the memory.py it reads ``mem_traj`` from): copied
+into an empty folder, each file imports in a fresh Python that cannot see this repository and computes its core on
+small inputs known by hand."""
 import os
 import shutil
 import subprocess
@@ -20,11 +21,13 @@ assert not {{"rollout", "data", "search", "train"}} & set(sys.modules)
 """
 
 
-def run_alone(tmp_path, filename: str, script: str) -> None:
-    """Copy ``filename`` alone into an empty folder and run ``script`` there in a fresh interpreter."""
+def run_alone(tmp_path, filename: str, script: str, brings: tuple[str, ...] = ()) -> None:
+    """Copy ``filename`` (and the files it ``brings``) alone into an empty folder and run ``script`` there in a fresh
+    interpreter."""
     folder = tmp_path / filename.removesuffix(".py")
     folder.mkdir()
-    shutil.copy(os.path.join(REPO, filename), folder)
+    for f in (filename, *brings):
+        shutil.copy(os.path.join(REPO, f), folder)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = ALONE.format(repo=REPO, module=filename.removesuffix(".py")) + textwrap.dedent(script) + "\nprint('ok')\n"
     done = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True,
@@ -45,12 +48,9 @@ def test_grpo_copies_alone(tmp_path):
         logp = torch.tensor([[math.log(1.5), math.log(1.5)]])
         loss, m = policy_loss(logp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
         assert abs(loss.item() - (-1.2 + 1.5) / 2) < 1e-6 and m["clip_frac"] == 0.5
-        # the paper's pool: {0.1, 0.3, 0.5} of two trajectories and two rounds, mean 0.3, std 0.2
-        a = memory_advantage([[0.1, 0.3], [0.5]], [0, 0])
-        assert all(abs(x - y) < 1e-5 for x, y in zip(a[0] + a[1], [-1.0, 0.0, 1.0])), a
-        # per round index: round 1 {0.1, 0.5} -> -+1/sqrt(2); round 2 {0.3} alone -> 0
-        a = memory_advantage([[0.1, 0.3], [0.5]], [0, 0], [[1, 2], [1]], norm="round")
-        assert all(abs(x - y) < 1e-5 for x, y in zip(a[0] + a[1], [-0.5 ** 0.5, 0.0, 0.5 ** 0.5])), a
+        # the paper's pool: question 4's three rounds {0.1, 0.3, 0.5} (two trajectories), mean 0.3, std 0.2
+        a = memory_advantage(torch.tensor([0.1, 0.3, 0.5, 2.0]), torch.tensor([4, 4, 4, 9]))
+        assert torch.allclose(a, torch.tensor([-1.0, 0.0, 1.0, 0.0]), atol=1e-5), a
     """)
 
 
@@ -124,4 +124,4 @@ def test_reward_copies_alone(tmp_path):
             n_full, n_mem = out["n_full"].tolist(), out["n_mem"].tolist()
             assert n_mem == n_full if mask_mode == "full" else sum(n_full) + sum(n_mem) == len(gold) - mid
             assert any(out["mem_reward"].tolist())
-    """)
+    """, brings=("memory.py",))

@@ -134,8 +134,8 @@ def test_p_by_round_uses_the_training_mask_mode_by_default(sft_run):
 
     def by_round(mode):
         m = memory_rewards(model, tok, trajs, thr, mode)
-        rounds = [t for rs in m["rounds"] for t in rs]
-        return {str(r + 1): sum(p for p, t in zip(m["p_mem"], rounds) if t == r) / rounds.count(r) for r in set(rounds)}
+        rounds = [t for _, t in m["scored"]]
+        return {str(r): sum(p for p, t in zip(m["p_mem"], rounds) if t == r) / rounds.count(r) for r in set(rounds)}
     got = {k: v["p_mem"] for k, v in p_by_round(model, tok, trajs, threshold=thr).items()}
     assert train.Config().mem_mask == "separate"
     assert got == pytest.approx(by_round("separate"), abs=1e-9) and got != pytest.approx(by_round("full"), abs=1e-9)

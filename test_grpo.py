@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 
-from grpo import (filter_groups, grouped_advantage, memory_advantage, memory_pool_weights, policy_loss,
-                  token_advantages, token_logprobs)
+from grpo import filter_groups, grouped_advantage, memory_advantage, policy_loss, token_advantages, token_logprobs
 
 
 # ---------------------------------------------------------------- outcome advantage
@@ -51,67 +50,14 @@ def _close(a, b, tol=1e-4):
 
 
 def test_memory_pool_over_rounds_and_trajectories():
-    # pool {0.2, 0.4, 0.0}: mean 0.2, unbiased std 0.2
-    _close(memory_advantage([[0.2, 0.4], [0.0]], [0, 0]), [[0.0, 1.0], [-1.0]])
-
-
-def test_memory_empty_trajectories_and_independent_groups():
-    out = memory_advantage([[0.2, 0.4], [], [0.0], [5.0, 7.0], [], [0.3]], [0, 0, 0, 1, 1, 2])
-    s = math.sqrt(2.0)  # group 1 pool {5, 7}: mean 6, std sqrt(2)
-    _close(out, [[0.0, 1.0], [], [-1.0], [-1 / s, 1 / s], [], [0.0]])
-    assert memory_advantage([], []) == [] and memory_advantage([[], []], [0, 0]) == [[], []]
-    _close(memory_advantage([[0.5, 0.5], [0.5]], [0, 0]), [[0.0, 0.0], [0.0]])  # constant pool
-
-
-def test_memory_norm_none():
-    _close(memory_advantage([[0.2, 0.4], [0.0], [9.0]], [0, 0, 1], norm="none"),
-           [[0.0, 0.2], [-0.2], [0.0]])
-
-
-def test_memory_norm_round():
-    # rounds given as memory_rewards returns them (round 1 = index 1; round 0 is never scored)
-    # round-1 pool {0.2, 0.0, 0.6}: mean 0.2667, std 0.3055; round-2 pool {0.4, 0.8}: mean 0.6, std 0.2828
-    out = memory_advantage([[0.2, 0.4], [0.0], [0.6, 0.8]], [0, 0, 0], [[1, 2], [1], [1, 2]], norm="round")
-    m0, s0 = 0.8 / 3, math.sqrt(((0.2 - 0.8 / 3) ** 2 + (0.8 / 3) ** 2 + (0.6 - 0.8 / 3) ** 2) / 2)
-    s1 = math.sqrt(0.08)
-    _close(out, [[(0.2 - m0) / s0, -0.2 / s1], [(0.0 - m0) / s0], [(0.6 - m0) / s0, 0.2 / s1]])
-    with pytest.raises(ValueError, match="round index"):      # list position is not the round: refuse to guess
-        memory_advantage([[0.2]], [0], norm="round")
-
-
-def test_memory_norm_round_pools_by_round_index_not_position():
-    # trajectory 0 scored rounds 1 and 3 (round 2 wrote no closed </mem>), trajectory 1 rounds 1, 2, 3.
-    # pools: round 1 {0.1, 0.3}, round 2 {0.5} (alone -> 0), round 3 {0.9, 0.2}
-    out = memory_advantage([[0.1, 0.9], [0.3, 0.5, 0.2]], [0, 0], [[1, 3], [1, 2, 3]], norm="round")
-    s = math.sqrt(0.02)              # std of {0.1, 0.3}; {0.9, 0.2}: std sqrt(0.245)
-    t = math.sqrt(0.245)
-    _close(out, [[-0.1 / s, 0.35 / t], [0.1 / s, 0.0, -0.35 / t]])
-    # by list position trajectory 0's round 3 would have met trajectory 1's round 2 (0.9 vs 0.5)
-    assert out[1][1] == 0.0
-
-
-def test_memory_pool_weights_give_the_pools_unbiased_stds():
-    rewards, gids, rounds = [[0.1, 0.9], [0.3, 0.5, 0.2], [0.0, 4.0]], [0, 0, 1], [[1, 3], [1, 2, 3], [1, 2]]
-    pool0 = [0.1, 0.9, 0.3, 0.5, 0.2]
-    m = sum(pool0) / 5
-    s0 = math.sqrt(sum((v - m) ** 2 for v in pool0) / 4)
-
-    def stds(norm, r=rewards, g=gids, k=rounds):
-        adv = memory_advantage(r, g, k, norm=norm)
-        return [s for s, _ in memory_pool_weights(r, adv, g, k, norm)]
-    assert stds("std") == pytest.approx([s0, math.sqrt(8.0)])
-    # round pools with >= 2 rewards: group 0 rounds 1 and 3; group 1 has one reward per round
-    assert sorted(stds("round")) == pytest.approx([math.sqrt(0.02), math.sqrt(0.245)])
-    # nonzero drops the 0.0: group 1's pool is {4.0} alone, so only group 0 counts
-    assert stds("nonzero") == pytest.approx([s0])
-    assert stds("std", [[0.5]], [0], None) == []
-
-
-def test_memory_norm_nonzero():
-    # zeros are left out and get 0; pool {0.2, 0.4, 0.6}: mean 0.4, std 0.2
-    out = memory_advantage([[0.2, 0.0, 0.4], [0.0, 0.6]], [0, 0], norm="nonzero")
-    _close(out, [[-1.0, 0.0, 0.0], [0.0, 1.0]])
-    _close(memory_advantage([[0.0], [0.0, 0.3]], [0, 0], norm="nonzero"), [[0.0], [0.0, 0.0]])
+    # the paper's pool is the question: rounds of trajectories 0 and 1 of question 0 -> {0.2, 0.4, 0.0}: mean 0.2,
+    # unbiased std 0.2; question 1 {5, 7}: mean 6, std sqrt(2); question 2's one reward gets 0
+    out = memory_advantage(torch.tensor([0.2, 0.4, 0.0, 5.0, 7.0, 0.3], dtype=torch.float64),
+                           torch.tensor([0, 0, 0, 1, 1, 2]))
+    s = math.sqrt(2.0)
+    _close([out.tolist()], [[0.0, 1.0, -1.0, -1 / s, 1 / s, 0.0]])
+    assert memory_advantage(torch.zeros(0), torch.zeros(0, dtype=torch.long)).numel() == 0
+    _close([memory_advantage(torch.tensor([0.5, 0.5, 0.5]), torch.tensor([3, 3, 3])).tolist()], [[0.0, 0.0, 0.0]])
 
 
 # ---------------------------------------------------------------- token advantages
@@ -305,21 +251,3 @@ def test_seq_mean_token_mean_averages_per_trajectory_across_micro_batches():
     # per-round rows (the old behaviour: each row its own sequence) give a different loss here
     rows, _ = policy_loss(logp, old, adv, mask, agg="seq-mean-token-mean")
     assert abs(rows.item() - naive.item()) > 1e-3
-
-
-def test_memory_std_floor_bounds_a_pool_of_tiny_spread():
-    # {0.2, 0.4, 0.0}: mean 0.2, std 0.2; a floor below the std changes nothing, above it scales down
-    _close(memory_advantage([[0.2, 0.4], [0.0]], [0, 0], std_floor=0.1), [[0.0, 1.0], [-1.0]])
-    _close(memory_advantage([[0.2, 0.4], [0.0]], [0, 0], std_floor=0.5), [[0.0, 0.4], [-0.4]])
-    # {0.5, 0.501, 0.499}: std 0.001 -> unit variance under the paper's pool, a hundredth under a floor of 0.1
-    a = 0.001 / (0.001 + 1e-6)       # the eps in the denominator
-    _close(memory_advantage([[0.5, 0.501], [0.499]], [0, 0]), [[0.0, a], [-a]])
-    _close(memory_advantage([[0.5, 0.501], [0.499]], [0, 0], std_floor=0.1), [[0.0, 0.01], [-0.01]])
-
-
-def test_memory_pool_weights_is_each_pools_std_and_advantage_mass():
-    rewards, gids = [[0.2, 0.4], [0.0], [0.5, 0.501], [0.499], [7.0]], [0, 0, 1, 1, 2]
-    adv = memory_advantage(rewards, gids)
-    # pools of >= 2 rewards: group 0 (std 0.2, |A| 0 + 1 + 1), group 1 (std 0.001, also 2); group 2 is alone
-    (s0, w0), (s1, w1) = memory_pool_weights(rewards, adv, gids)
-    assert (s0, w0, s1, w1) == pytest.approx((0.2, 2.0, 0.001, 2.0), rel=1e-3)   # the eps: 2 * 0.001 / 0.001001

@@ -163,7 +163,7 @@ def test_rollout_rows_hold_exactly_the_sampled_ids_on_bpe(real):
     world, tasks = data.held_out_tasks(1, 2)
     cfg = AgentConfig(system_prompt=PROTOCOL_PROMPT, max_turns=3, max_new_tokens=24, temperature=1.0)
     trajs = rollout(model, tok, tasks, 2, SearchTool(world.docs), cfg, torch.Generator().manual_seed(0))
-    samples = train.build_samples(trajs, torch.ones(len(trajs)), None, None)
+    samples = train.build_samples(trajs, torch.ones(len(trajs)), {})
     rounds = [r for t in trajs for r in t.rounds if r.output_ids]
     assert len(samples) == len(rounds) > 0
     for s, r in zip(samples, rounds):

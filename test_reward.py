@@ -85,7 +85,7 @@ def test_expert_episodes_are_valid():
     ([R1, "<mem> x </mem> <think> a </think> <answer>   </answer>"], 7),
     (["<think> a </think> <search> </search>", R2], 7),                        # empty query
     ([R1, "<think> answer </think> <answer> mira </answer>"], 8),
-    ([R1, R1.replace("kalo", "mira"), R2], 8),                                 # round 2 of 3
+    ([R1, R1.replace("kalo", "mira"), R2], 8),                                 # round 1 of 0-2
 ])
 def test_each_rule(rounds, rule):
     ok, why = validate_format(rounds)
@@ -93,10 +93,10 @@ def test_each_rule(rounds, rule):
 
 
 def test_mem_rule_boundaries():
-    assert validate_format([R1, R2]) == (True, "ok")                         # round 1 needs no mem
+    assert validate_format([R1, R2]) == (True, "ok")                         # round 0 needs no mem
     assert validate_format(["<think> answer </think> <answer> mira </answer>"]) == (True, "ok")
     no_mem = [R1, "<think> answer </think> <answer> mira </answer>"]
-    assert validate_format(no_mem, require_mem_from=3) == (True, "ok")
+    assert validate_format(no_mem, mem_from=2) == (True, "ok")
     assert validate_format([R1, "<mem></mem><think></think><answer>m</answer>"]) == (True, "ok")
 
 
@@ -277,8 +277,8 @@ def test_memory_reward_sign(tok, copy_model):
     x = NAMES[5]
     lost, kept = _trajectory(tok, x, ["1 : friend"]), _trajectory(tok, x, [f"1 : friend {x}"])
     out = memory_rewards(copy_model, tok, [lost, kept])
-    (r_lost,), (r_kept,) = out["rewards"]
-    assert out["rounds"] == [[1], [1]] and out["n"] == 2
+    r_lost, r_kept = out["reward"]
+    assert out["scored"] == [(0, 1), (1, 1)] and out["n"] == 2
     assert out["p_full"][0] == pytest.approx(out["p_full"][1], abs=1e-5) and out["p_full"][0] > 0.5
     assert out["p_mem"][0] == 0.0 and out["mask_mem"] == [0, 1] and out["mask_full"] == [1, 1]
     assert out["empty_frac"] == 0.5 and out["no_signal_frac"] == 0.0   # a dropped answer is a signal, not silence
@@ -286,7 +286,7 @@ def test_memory_reward_sign(tok, copy_model):
     unseen = _trajectory(tok, x, [f"1 : friend {x}"])
     unseen.golds = [[NAMES[6]]]             # an answer neither context holds: no confident word on either side
     three = memory_rewards(copy_model, tok, [lost, kept, unseen])
-    assert three["mask_full"][2] == three["mask_mem"][2] == 0 and three["rewards"][2] == [0.0]
+    assert three["mask_full"][2] == three["mask_mem"][2] == 0 and three["reward"][2] == 0.0
     assert three["no_signal_frac"] == pytest.approx(1 / 3) and three["empty_frac"] == pytest.approx(2 / 3)
     assert r_kept > 0.05 and r_kept > r_lost + 0.5
     # plumbing: P_mem is exactly p(x | prompt + "<mem> ... </mem>") from a direct call
@@ -298,10 +298,10 @@ def test_memory_reward_sign(tok, copy_model):
     full = memory_rewards(copy_model, tok, [lost, kept], mask_mode="full")
     assert full["mask_mem"] == full["mask_full"] == [1, 1] and full["empty_frac"] == 0.0
     assert 0.0 < full["p_mem"][0] < 0.3     # penalised on the full context's tokens, not dropped
-    assert -1.0 < full["rewards"][0][0] < -0.4
-    assert full["rewards"][1][0] == pytest.approx(r_kept, abs=1e-6)
+    assert -1.0 < full["reward"][0] < -0.4
+    assert full["reward"][1] == pytest.approx(r_kept, abs=1e-6)
     for o in (out, full):
-        values = o["p_mem"] + o["p_full"] + [r for rs in o["rewards"] for r in rs]
+        values = o["p_mem"] + o["p_full"] + o["reward"]
         assert not any(math.isnan(v) for v in values)
 
 
@@ -310,20 +310,20 @@ def test_memory_reward_rounds_and_nothing_to_score(tok):
         def forward(self, *args, **kwargs):
             raise AssertionError("no forward pass expected")
     x = NAMES[2]
-    skip = _trajectory(tok, x, [None])                 # round 2 has no <mem>: nothing to score
+    skip = _trajectory(tok, x, [None])                 # round 1 has no <mem>: nothing to score
     out = memory_rewards(NoForward(), tok, [skip, _trajectory(tok, x, [])])
     logps = {k: out.pop(k) for k in ("word_logp_full", "word_logp_mem")}
-    assert out == {"rewards": [[], []], "rounds": [[], []], "scored": [], "p_mem": [], "p_full": [],
+    assert out == {"reward": [], "scored": [], "p_mem": [], "p_full": [],
                    "mask_mem": [], "mask_full": [], "empty_frac": 0.0, "no_signal_frac": 0.0, "n": 0}
     assert all(lp.shape == (0, 0) for lp in logps.values())          # the same keys as when rounds are scored
-    assert memory_rewards(NoForward(), tok, [])["rewards"] == []
+    assert memory_rewards(NoForward(), tok, [])["reward"] == []
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     mixed = _trajectory(tok, x, ["1", None, "2 friend", f"1 : friend {x}"])
-    mixed.rounds[0] = _round(tok, PROMPT, f"<mem> 1 </mem> {ROUND1}", "search")   # round 1: never scored
+    mixed.rounds[0] = _round(tok, PROMPT, f"<mem> 1 </mem> {ROUND1}", "search")   # round 0: never scored
     assert mixed.rounds[0].mem_end == 3
     out = memory_rewards(model, tok, [skip, mixed], token_budget=50)
-    assert out["rounds"] == [[], [1, 3, 4]] and out["n"] == 3 and len(out["rewards"][1]) == 3
-    assert all(r == pytest.approx(m - f) for r, m, f in zip(out["rewards"][1], out["p_mem"], out["p_full"]))
+    assert out["scored"] == [(1, 1), (1, 3), (1, 4)] and out["n"] == 3 and len(out["reward"]) == 3
+    assert all(r == pytest.approx(m - f) for r, m, f in zip(out["reward"], out["p_mem"], out["p_full"]))
 
 
 def test_answer_logprobs_buckets_two_length_profiles_with_the_same_numbers(tok):

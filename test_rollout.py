@@ -70,7 +70,7 @@ def test_forced_prefix_from_round_two_is_context_not_policy(expert_rollout):
             assert r.prefix_ids == prefix and r.text.startswith("<mem>") and tok.decode(prefix + r.output_ids) == r.text
             assert r.output_ids[:1] != prefix                                   # the model continues after <mem>
     assert all(r.mem_end > len(prefix) for r in later)                          # the span includes the prefix
-    samples = train.build_samples(trajs, torch.ones(len(trajs)), None, None)
+    samples = train.build_samples(trajs, torch.ones(len(trajs)), {})
     x = grpo.collate(samples, tok.pad_token_id, "cpu")
     rounds = [r for t in trajs for r in t.rounds if r.output_ids]
     for i, (s, r) in enumerate(zip(samples, rounds)):
@@ -288,9 +288,9 @@ def qwen3_style(open_: str, mid: str, close: str) -> str:
 
 
 def test_a_template_that_cuts_earlier_turns_at_think_is_rendered_with_every_message_as_written(monkeypatch, capsys):
-    import rollout
-    from rollout import PROBE_CHAT, encode_chat, needs_verbatim, rewrites_messages
-    monkeypatch.setattr(rollout, "_VERBATIM", {})
+    import models
+    from models import PROBE_CHAT, encode_chat, needs_verbatim, rewrites_messages
+    monkeypatch.setattr(models, "_VERBATIM", {})
     assert not rewrites_messages(data.build_tokenizer())                   # the embedded template keeps them
     tok = data.build_bpe_tokenizer()
     assert not rewrites_messages(tok) and not needs_verbatim(tok)          # ChatML as written: the template itself
@@ -310,16 +310,16 @@ def test_a_template_that_cuts_earlier_turns_at_think_is_rendered_with_every_mess
 
 def test_round_two_sees_round_one_memory_under_a_qwen3_style_template(monkeypatch, capsys):
     """Acceptance: the ids of round 2's context hold round 1's <mem> body, and one line says how it is rendered."""
-    import rollout
+    import models
     from conftest import ExpertTape, expert_tape
-    monkeypatch.setattr(rollout, "_VERBATIM", {})
+    monkeypatch.setattr(models, "_VERBATIM", {})
     tok = data.build_tokenizer()
     tok.chat_template = qwen3_style("<|", "|> ", " <|end|> ")
     inner = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
     w, tasks = data.make_tasks(3, 1, [2], (2, 2))
     rounds, tape = expert_tape(tok, tasks[0])
     cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=3, max_new_tokens=60, temperature=0.0)
-    traj, = rollout.rollout(ExpertTape(inner, tape), tok, tasks, 1, SearchTool(w.docs), cfg)
+    traj, = rollout(ExpertTape(inner, tape), tok, tasks, 1, SearchTool(w.docs), cfg)
     assert [r.text for r in traj.rounds] == rounds[:3]
     body = rounds[0].split("<mem>")[1].split("</mem>")[0]
     assert "</think>" in rounds[0] and body.strip()

@@ -139,9 +139,9 @@ def test_the_tokenizer_round_trips_the_protocol_tags_and_names(smol):
 
 def test_smollm2_template_keeps_every_message_so_it_is_used_as_it_is(smol):
     _, tok, _, _ = smol
-    assert not rollout.rewrites_messages(tok) and not rollout.needs_verbatim(tok)
-    chat = tok.apply_chat_template(rollout.PROBE_CHAT, add_generation_prompt=True, tokenize=False)
-    assert encode_chat(tok, rollout.PROBE_CHAT) == ids(tok, chat)
+    assert not models.rewrites_messages(tok) and not models.needs_verbatim(tok)
+    chat = tok.apply_chat_template(models.PROBE_CHAT, add_generation_prompt=True, tokenize=False)
+    assert encode_chat(tok, models.PROBE_CHAT) == ids(tok, chat)
 
 
 # --------------------------------------------------------------------------- the engine

@@ -126,9 +126,8 @@ def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
         trajs = rollout.rollout(model.eval(), tok, tasks, 4, SearchTool(world.docs), agent)
         gids = torch.tensor([t.group_id for t in trajs])
         adv_t = grpo.grouped_advantage(torch.tensor([outcome_reward(t)["score"] for t in trajs]), gids)
-        mem = memory_rewards(model, tok, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask, think=cfg.probe_think)
-        mem_adv = grpo.memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm)
-        samples = train.build_samples(trajs, adv_t, mem, mem_adv)
+        _, adv_m = train.memory_advantages(model, tok, trajs, cfg)
+        samples = train.build_samples(trajs, adv_t, adv_m)
         if any(s.adv_t != 0 or s.mem for s in samples):
             break
     else:
@@ -160,8 +159,7 @@ def test_build_samples_and_collate_place_mem_span_and_memory_advantage_by_round_
         _round(ctx2, [20], [31], 0),                       # round 2: no closed </mem> -> no memory reward
         _round(ctx1, [20], [41, 42], 2, "answer")])        # round 3
     t1 = Trajectory("q", [["a"]], 0, [1, 2], [], [_round(ctx0, [], [], 0), _round(ctx2, [20], [51, 52], 1)])
-    mem = {"rounds": [[1, 3], [1]]}
-    samples = train.build_samples([t0, t1], torch.tensor([0.5, -2.0]), mem, [[1.5, -0.25], [7.0]])
+    samples = train.build_samples([t0, t1], torch.tensor([0.5, -2.0]), {(0, 1): 1.5, (0, 3): -0.25, (1, 1): 7.0})
     # t1's round 0 sampled nothing: no row
     assert [(s.traj, s.adv_t, s.mem) for s in samples] == [(0, 0.5, []), (0, 0.5, [(5, 8, 1.5)]), (0, 0.5, []),
                                                          (0, 0.5, [(5, 7, -0.25)]), (1, -2.0, [(4, 5, 7.0)])]
@@ -344,7 +342,8 @@ def test_group_stats_and_zero_variance_metrics():
     """Hand-computed: group 0 scores [1, 1] (no outcome signal) with memory rewards that differ, group 1
     [0, 0] with equal memory rewards, group 2 [1, 0]; K = 2, 2, 3, 3, 1, 1."""
     outs = [{"score": s, "em": s, "f1": s, "valid": 1.0} for s in (1.0, 1.0, 0.0, 0.0, 1.0, 0.0)]
-    mem = {"rewards": [[0.1, 0.0], [0.3], [0.2], [0.2], [0.4], [0.5]]}
+    mem = {"scored": [(0, 1), (0, 2), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)],
+           "reward": [0.1, 0.0, 0.3, 0.2, 0.2, 0.4, 0.5]}
     gids = [0, 0, 1, 1, 2, 2]
     ks = [2, 2, 3, 3, 1, 1]
     stats = metrics.group_stats(outs, mem, gids, ks)
@@ -464,11 +463,11 @@ def test_step_metrics_split_the_memory_advantage_by_what_its_round_does():
     full = Trajectory(q, [["a"]], 0, [1], [], [_round([1], [], [5], 0), _round([1], [9], [5], 1),
                                                _round([1], [9], [5], 1), _round([1], [9], [5], 1, "answer")])
     early = Trajectory(q, [["a"]], 0, [1], [], [_round([1], [], [5], 0), _round([1], [9], [5], 1, "answer")])
-    mem = {"rewards": [[0.1, 0.2, 0.3], [0.4]], "rounds": [[1, 2, 3], [1]], "scored": [(0, 1), (0, 2), (0, 3), (1, 1)],
+    mem = {"reward": [0.1, 0.2, 0.3, 0.4], "scored": [(0, 1), (0, 2), (0, 3), (1, 1)],
            "p_mem": [0.0] * 4, "p_full": [0.0] * 4, "mask_mem": [1] * 4, "mask_full": [1] * 4, "empty_frac": 0.0,
            "no_signal_frac": 0.0, "n": 4}
     outs = [{"score": 1.0, "em": 1.0, "f1": 1.0, "valid": True}, {"score": 0.0, "em": 0.0, "f1": 0.0, "valid": True}]
-    v = metric_values([full, early], outs, mem, [0, 0], [[1.0, -3.0, 0.5], [2.5]])
+    v = metric_values([full, early], outs, mem, [0, 0], {(0, 1): 1.0, (0, 2): -3.0, (0, 3): 0.5, (1, 1): 2.5})
     m = step_metrics(v | {"search_failures": [0]})
     assert (m["mem_adv_search"], m["mem_adv_answer"], m["mem_adv_early"]) == (-1.0, 0.5, 2.5)
     assert m["early_frac"] == 0.5

@@ -199,9 +199,9 @@ def test_a_full_context_trajectory_is_one_row_with_every_rounds_spans_and_the_sa
     trajs = [_growing_trajectory(), _growing_trajectory()]
     trajs[1].rounds[2] = type(trajs[1].rounds[2])([9] + trajs[1].rounds[2].context_ids[1:], [20], [33], "", 2,
                                                   "answer")      # round 3 does not extend round 2: rows per round
-    mem = {"rounds": [[1, 2], [1]]}
-    one = train.build_samples(trajs, torch.tensor([1.0, -0.5]), mem, [[0.75, -2.0], [1.5]], one_row=True)
-    per_round = train.build_samples(trajs, torch.tensor([1.0, -0.5]), mem, [[0.75, -2.0], [1.5]])
+    adv_m = {(0, 1): 0.75, (0, 2): -2.0, (1, 1): 1.5}
+    one = train.build_samples(trajs, torch.tensor([1.0, -0.5]), adv_m, one_row=True)
+    per_round = train.build_samples(trajs, torch.tensor([1.0, -0.5]), adv_m)
     assert len(per_round) == 6 and len(one) == 4
     row = one[0]
     assert row.ids == [1, 2, 3, 10, 11, 12, 4, 5, 20, 21, 22, 23, 24, 6, 7, 20, 31, 32]

@@ -97,7 +97,7 @@ def step():
     for gid, task in enumerate(tasks):
         expert = [text for text, _ in data.expert_episode(task)]
         forget = [text for text, _ in data.expert_episode(task, forget=True)]
-        stray = [expert[0].replace("</mem> <think>", "</mem> search <think>")] + expert[1:]   # rule 5 in round 1
+        stray = [expert[0].replace("</mem> <think>", "</mem> search <think>")] + expert[1:]   # rule 5 in round 0
         trajs += [replay(tok, task, expert, tool, gid), replay(tok, task, forget, tool, gid),
                   replay(tok, task, stray, tool, gid)]
         sampled = rollout(model, tok, [task], 1, tool, AgentConfig(data.SYSTEM_PROMPT, max_turns=2, max_new_tokens=12,
@@ -109,11 +109,12 @@ def step():
     gids = torch.tensor([t.group_id for t in trajs])
     adv_t = grouped_advantage(torch.tensor([o["score"] for o in outs]), gids)
     mem = memory_rewards(model, tok, trajs, threshold=0.0)          # every gold word counts: P > 0 on both sides
-    mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"])
+    question = torch.tensor([trajs[i].group_id for i, _ in mem["scored"]])
+    adv_m = dict(zip(mem["scored"], memory_advantage(torch.tensor(mem["reward"]), question).tolist()))
     score = sum(o["score"] for o in outs) / len(outs)
     metrics = {"step": 7, "score": score}
-    record = step_record(trajs, tok, adv_t, mem, mem_adv, W, metrics=metrics, title="step 7")
-    return dict(tok=tok, trajs=trajs, outs=outs, adv_t=adv_t, mem=mem, mem_adv=mem_adv, record=record, score=score,
+    record = step_record(trajs, tok, adv_t, mem, adv_m, W, metrics=metrics, title="step 7")
+    return dict(tok=tok, trajs=trajs, outs=outs, adv_t=adv_t, mem=mem, adv_m=adv_m, record=record, score=score,
                 page=page_html(record))
 
 
@@ -134,12 +135,11 @@ def test_memory_rewards_on_the_page(step):
     mem, cells = step["mem"], {(int(c["data-traj"]), int(c["data-round"])): c for c in parse(step["page"]).cells}
     assert len(cells) == sum(len(t.rounds) for t in step["trajs"]) and mem["n"] >= 4
     for r, (i, t) in enumerate(mem["scored"]):
-        k = mem["rounds"][i].index(t)
         pr = cells[(i, t)]["probe"]
         assert float(pr["data-p-full"]) == mem["p_full"][r] and float(pr["data-p-mem"]) == mem["p_mem"][r]
-        assert float(pr["data-mem-reward"]) == mem["rewards"][i][k] and float(pr["data-adv-m"]) == step["mem_adv"][i][k]
-        assert f"r_mem {signed(mem['rewards'][i][k])}" in cells[(i, t)]["text"]
-    assert any(r != 0 for rs in mem["rewards"] for r in rs)
+        assert float(pr["data-mem-reward"]) == mem["reward"][r] and float(pr["data-adv-m"]) == step["adv_m"][(i, t)]
+        assert f"r_mem {signed(mem['reward'][r])}" in cells[(i, t)]["text"]
+    assert any(r != 0 for r in mem["reward"])
     unscored = [c for key, c in cells.items() if key not in set(mem["scored"])]
     assert unscored and all("probe" not in c and "no memory reward" in c["text"] for c in unscored)
 
@@ -150,7 +150,7 @@ def test_every_token_carries_the_advantage_it_was_trained_with(step):
     cells = {(int(c["data-traj"]), int(c["data-round"])): c for c in parse(step["page"]).cells}
     n_coloured = 0
     for i, traj in enumerate(step["trajs"]):
-        a_m = dict(zip(mem["rounds"][i], step["mem_adv"][i]))
+        a_m = {t: a for (j, t), a in step["adv_m"].items() if j == i}
         for t, rnd in enumerate(traj.rounds):
             cell = cells[(i, t)]
             assert len(cell["tokens"]) == len(rnd.round_ids)
@@ -194,7 +194,7 @@ def test_context_as_the_policy_saw_it(step, context):
         m = re.match(r"\[round (\d+)'s context: (\d+) characters\]", cell["context"])
         if m:
             named += 1
-            assert int(m.group(1)) == t and len(cells[(i, t - 1)]["context"]) == int(m.group(2))
+            assert int(m.group(1)) == t - 1 and len(cells[(i, t - 1)]["context"]) == int(m.group(2))
             cell["context"] = cells[(i, t - 1)]["context"] + cell["context"][m.end():]
         assert cell["context"] == tok.decode(trajs[i].rounds[t].context_ids)
     assert named >= (sum(len(t.rounds) - 1 for t in trajs) if context == "full" else len(trajs))
@@ -209,7 +209,7 @@ def test_failed_format_shows_its_rule(step):
         assert h["data-rule"] == o["reason"].split(":")[0] and o["reason"] in h["text"]
     assert all(h["data-rule"] == "" and "format ok" in h["text"] for h, o in zip(heads, step["outs"]) if o["valid"])
     fails = {(int(c["data-traj"]), int(c["data-round"])) for c in p.cells if "fail" in c["class"].split()}
-    assert fails == {(i, int(re.search(r"\(round (\d+)\)", o["reason"]).group(1)) - 1)
+    assert fails == {(i, int(re.search(r"\(round (\d+)\)", o["reason"]).group(1)))
                      for i, o in enumerate(step["outs"]) if not o["valid"]}
 
 
@@ -244,7 +244,7 @@ def test_format_episode_fits_100_columns(step):
             assert all(len(line) <= 100 for line in text.splitlines())
             assert f"score {ro['score']:.3f}" in text and q["question"][:40] in text.replace("\n  ", " ")
             for t, rd in enumerate(ro["rounds"]):
-                assert f"-- round {t + 1} " in text
+                assert f"-- round {t} " in text
                 if rd["action"]:
                     assert f"<{rd['action']}> {rd['action_body']} </{rd['action']}>" in text
                 if rd.get("p_full") is not None:
@@ -280,7 +280,7 @@ def test_eval_show_prints_episodes_and_viz_writes_the_page(sft_run, tmp_path, ca
     ev.main(["--checkpoint", str(sft_run), "--objectives", "2", "--hops", "1-2", "--show", "2",
              "--viz", str(tmp_path / "ep.html")])
     out = capsys.readouterr().out
-    assert out.count("== trajectory") == 2 and "-- round 1 " in out and "action" in out
+    assert out.count("== trajectory") == 2 and "-- round 0 " in out and "action" in out
     assert all(len(line) <= 100 for line in out.splitlines() if not line.startswith("wrote"))
     page = Page()
     page.feed((tmp_path / "ep.html").read_text())

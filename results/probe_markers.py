@@ -2,7 +2,7 @@
 
     python results/probe_markers.py --model smollm2 runs/smollm2_sft/final --data heldout/sft_trajectories.jsonl
 
-Every round >= 2 with a ``<mem>`` is scored as the memory reward scores a rollout's round (``reward.memory_rewards``:
+Every round after the first with a ``<mem>`` is scored as the memory reward scores a rollout's round (``reward.memory_rewards``:
 its snail context, the prompt + its ``<mem>``), and split by whether that context (or memory) holds the gold
 answers (``sft.held_answers`` on its text: all of them, or none). ``auto`` is the marker a run from the model
 resolves ``--probe-think auto`` to (``checkpoint.trained_probe_think``).
@@ -71,7 +71,7 @@ def main() -> None:
                 groups.setdefault(("full", holds(trajs[i].golds, seen[i][t])), []).append(r["p_full"][n])
                 groups.setdefault(("mem", holds(trajs[i].golds, extract_mem(trajs[i].rounds[t].text))), []).append(r["p_mem"][n])
             cell = lambda k: (f"{sum(groups[k]) / len(groups[k]):.3f} ({len(groups[k])})" if groups.get(k) else "-")
-            reward = sum(x for rw in r["rewards"] for x in rw) / max(r["n"], 1)
+            reward = sum(r["reward"]) / max(r["n"], 1)
             print(f"| {path} | {marker}{' (auto)' if marker == auto else ''} | {r['n']} | {cell(('full', 'all'))} | "
                   f"{cell(('full', 'none'))} | {cell(('mem', 'all'))} | {cell(('mem', 'none'))} | {reward:+.3f} |",
                   flush=True)
