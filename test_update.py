@@ -2,6 +2,7 @@
 per-trajectory loss with or without micro-batches, it moves log-probabilities the way the advantages point,
 and a non-finite batch is skipped with the weights untouched."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -209,3 +210,25 @@ def test_a_full_context_trajectory_is_one_row_with_every_rounds_spans_and_the_sa
     assert [s.ids for s in one[1:]] == [s.ids for s in per_round[3:]]
     for a, b in zip(_sgd_step(one, ["--agg", agg])[0], _sgd_step(per_round, ["--agg", agg])[0]):
         assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+
+
+def test_asymmetric_clip_bounds_and_the_dual_clip_reach_policy_loss(monkeypatch):
+    """--clip-low 0.1 --clip-high 0.3 --dual-clip 3 over two mini-batches (the clip acts from the second): every
+    policy_loss call gets each bound in its own place (swapped or symmetric bounds fail here)."""
+    seen = []
+    real = train.policy_loss
+
+    def spy(*a, **kw):
+        args = inspect.signature(real).bind(*a, **kw)
+        args.apply_defaults()
+        seen.append((args.arguments["clip_low"], args.arguments["clip_high"], args.arguments["dual_clip"]))
+        return real(*a, **kw)
+    monkeypatch.setattr(train, "policy_loss", spy)
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    cfg = train.parse_args(["--clip-low", "0.1", "--clip-high", "0.3", "--dual-clip", "3", "--ppo-minibatches", "2",
+                            "--lr", "3e-2"])
+    m = train.ppo_update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr), hand_built_samples(n=8, seed=1),
+                         cfg, tok.pad_token_id)
+    assert "skipped" not in m and m["clip_frac"] > 0
+    assert len(seen) >= 2 and set(seen) == {(0.1, 0.3, 3.0)}
