@@ -1,8 +1,10 @@
 """Training: SFT learns, an RL step updates weights and logs finite metrics, degenerate batches are
 skipped, and a run killed with SIGKILL resumes to the same metrics as an uninterrupted one."""
+import inspect
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -453,3 +455,160 @@ def test_keep_checkpoints_keeps_each_saved_model(tmp_path):
     assert (run / "step_0003" / "model.safetensors").read_bytes() == final
     train.main(["--run", str(tmp_path / "plain")] + args)
     assert not list((tmp_path / "plain").glob("step_*"))
+
+
+# --------------------------------------------------------------------------- the RL step's wiring
+
+def call_args(fn, args, kwargs) -> dict:
+    """A call's arguments by parameter name, defaults filled in, however the caller passed them."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def spy_on(monkeypatch, names: list[str]) -> dict:
+    """Replace each ``train.NAME`` (the name rl_step / ppo_update look up) by a wrapper that calls it and records
+    (its arguments by name, its result) in ``calls[NAME]``."""
+    calls = {}
+    for name in names:
+        real = getattr(train, name)
+
+        def wrapper(*a, real=real, name=name, **kw):
+            out = real(*a, **kw)
+            calls.setdefault(name, []).append((call_args(real, a, kw), out))
+            return out
+        monkeypatch.setattr(train, name, wrapper)
+    return calls
+
+
+WIRES = ["rollout", "grouped_advantage", "memory_rewards", "memory_advantage", "ppo_update", "collate",
+         "policy_loss"]
+
+
+def spied_rl_step(sft_run, monkeypatch, extra: list[str]) -> tuple:
+    """One RL step of the fixture policy (RL_ARGS: 2 questions x 3 rollouts) with every wire spied on: (cfg, calls,
+    the step's trajectories, the rows ppo_update got). The update must run (not skipped): the wiring past it is
+    what is tested."""
+    model, tok = load(sft_run / "final")
+    cfg = train.parse_args(RL_ARGS + extra)
+    calls = spy_on(monkeypatch, WIRES)
+    m = train.rl_step(model, None, tok, torch.optim.AdamW(model.parameters(), lr=cfg.lr), cfg, 0,
+                      train.agent_config(cfg))
+    assert "skipped" not in m, m
+    (_, trajs), = calls["rollout"]
+    (update, _), = calls["ppo_update"]
+    return cfg, calls, trajs, update["samples"]
+
+
+def pooled_by_hand(rewards: list[list[float]], pools: list[int], floor: float = 0.0) -> list[list[float]]:
+    """A_M by hand: each reward minus its pool's mean, over max(the pool's unbiased std, floor) + 1e-6; a pool of
+    one gets 0. ``pools[i]``: trajectory i's pool."""
+    members = {}
+    for i, rs in enumerate(rewards):
+        members.setdefault(pools[i], []).extend(rs)
+    out = []
+    for i, rs in enumerate(rewards):
+        pool = members[pools[i]]
+        if len(pool) < 2:
+            out.append([0.0] * len(rs))
+            continue
+        mean, sd = statistics.fmean(pool), max(statistics.stdev(pool), floor)
+        out.append([(r - mean) / (sd + 1e-6) for r in rs])
+    return out
+
+
+def test_rl_step_pools_the_memory_rewards_of_each_question_not_of_each_trajectory(sft_run, monkeypatch):
+    """2 questions x 3 rollouts: memory_advantage gets one group id per QUESTION, in rollout order, so A_M is each
+    reward against every round of every rollout of its question (by hand), not against its own trajectory's."""
+    cfg, calls, trajs, samples = spied_rl_step(sft_run, monkeypatch, [])
+    (args, a_m), = calls["memory_advantage"]
+    assert args["group_ids"] == [0, 0, 0, 1, 1, 1] == [t.group_id for t in trajs]
+    (_, mem), = calls["memory_rewards"]
+    assert args["mem_rewards"] == mem["rewards"] and args["rounds"] == mem["rounds"]
+    by_question = [sum(1 for i in range(3 * q, 3 * q + 3) if mem["rewards"][i]) for q in (0, 1)]
+    assert max(by_question) >= 2, f"no question with memory rewards in two rollouts: {mem['rewards']}"
+    want = pooled_by_hand(mem["rewards"], [0, 0, 0, 1, 1, 1])
+    assert want != pooled_by_hand(mem["rewards"], list(range(6)))        # the test tells the two pools apart
+    assert all(a == pytest.approx(w, abs=1e-5) for a, w in zip(a_m, want))
+
+
+def test_rl_step_hands_mem_mask_weight_and_floor_to_the_reward_the_pool_and_the_token_advantages(sft_run,
+                                                                                                  monkeypatch):
+    """--mem-mask full (not the default), --mem-weight 0.5, --mem-std-floor 2 (above any pool's std of rewards in
+    [-1, 1]): memory_rewards and memory_advantage get them, A_M is the floored pool's by hand, and every token
+    advantage policy_loss sees is A_T + 0.5 * A_M on the sampled tokens (A_M on <mem> spans) of the very batch
+    collate built."""
+    cfg, calls, trajs, samples = spied_rl_step(sft_run, monkeypatch, ["--mem-mask", "full", "--mem-weight", "0.5",
+                                                                      "--mem-std-floor", "2"])
+    assert reward.MEM_MASK != "full"
+    (args, mem), = calls["memory_rewards"]
+    assert (args["mask_mode"], args["threshold"], args["think"]) == ("full", 0.0, cfg.probe_think)
+    (args, a_m), = calls["memory_advantage"]
+    assert (args["std_floor"], args["norm"]) == (2.0, "std")
+    want = pooled_by_hand(mem["rewards"], [0, 0, 0, 1, 1, 1], floor=2.0)
+    assert want != pooled_by_hand(mem["rewards"], [0, 0, 0, 1, 1, 1]), "the floor binds on no pool: nothing tested"
+    assert all(a == pytest.approx(w, abs=1e-5) for a, w in zip(a_m, want))
+    assert len(calls["collate"]) == len(calls["policy_loss"]) >= 1        # one policy_loss per collated micro-batch
+    on_mem = 0
+    for (c, x), (p, _) in zip(calls["collate"], calls["policy_loss"]):
+        want_adv = (x["adv_t"][:, None] + 0.5 * x["mem_adv"]) * x["loss_mask"]
+        assert torch.allclose(p["advantages"], want_adv), (p["advantages"] - want_adv).abs().max()
+        on_mem += int(((x["mem_adv"] != 0) & (x["loss_mask"] > 0)).sum())
+    assert on_mem > 0, "no sampled token carries a memory advantage: the weight is untested"
+
+
+def test_an_rl_step_in_full_context_trains_each_growing_trajectory_as_one_row(sft_run, monkeypatch):
+    """--train-context full end to end: the rollouts see the whole trajectory, a trajectory whose contexts grow
+    reaches ppo_update as ONE row (its last round's context + output) holding every round's policy span (the
+    tokens that round sampled) and <mem> span with that round's A_M, its trajectory's A_T; token advantages in
+    the update are A_T on each round's sampled tokens plus A_M on its <mem> tokens, 0 between rounds."""
+    cfg, calls, trajs, samples = spied_rl_step(sft_run, monkeypatch, ["--train-context", "full"])
+    (args, _), = calls["rollout"]
+    assert args["cfg"].context == "full"
+    (_, adv_t), = calls["grouped_advantage"]
+    (_, mem), = calls["memory_rewards"]
+    (_, a_m), = calls["memory_advantage"]
+    rows = {}
+    for s in samples:
+        rows.setdefault(s.traj, []).append(s)
+    assert sorted(rows) == [i for i, t in enumerate(trajs) if any(r.output_ids for r in t.rounds)]
+    one_rows = 0
+    for i, t in enumerate(trajs):
+        rounds = [(k, r) for k, r in enumerate(t.rounds) if r.output_ids]
+        adv_m = dict(zip(mem["rounds"][i], a_m[i]))
+        if len(rounds) < 2:
+            continue
+        grows = all(b.context_ids[:len(a.context_ids) + len(a.round_ids)] == a.context_ids + a.round_ids
+                    for a, b in zip(t.rounds, t.rounds[1:]))
+        if not grows:
+            assert len(rows[i]) == len(rounds)
+            continue
+        one_rows += 1
+        assert len(rows[i]) == 1, f"trajectory {i} grows over {len(rounds)} rounds but trains as {len(rows[i])} rows"
+        row = rows[i][0]
+        last = t.rounds[-1]
+        assert row.ids == last.context_ids + last.round_ids and row.adv_t == pytest.approx(float(adv_t[i]))
+        assert row.policy == [r.policy_span for _, r in rounds]
+        assert row.mem == [(*r.mem_span, adv_m[k]) for k, r in rounds if k in adv_m]
+        for k, r in rounds:          # the spans hold what each round wrote, at its place in the one row
+            a, b = r.policy_span
+            assert row.ids[a:b] == r.output_ids
+            a, b = r.mem_span
+            assert row.ids[a:b] == r.round_ids[:r.mem_end]
+    assert one_rows >= 1, "no multi-round trajectory grew: the one-row case is untested"
+    assert any(a != 0 for s in samples if len(s.policy) > 1 for *_, a in s.mem), "no A_M inside a one-row sample"
+    seen = 0
+    for (_, x), (p, _) in zip(calls["collate"], calls["policy_loss"]):
+        for b in range(len(x["ids"])):
+            ids = x["ids"][b, :int(x["attn"][b].sum())].tolist()
+            s = next((s for s in samples if len(s.policy) > 1 and s.ids == ids), None)
+            if s is None:
+                continue
+            a_m_at, want = torch.zeros(x["ids"].shape[1]), torch.zeros(x["ids"].shape[1])
+            for a, e, v in s.mem:
+                a_m_at[a:e] = v
+            for a, e in s.policy:       # the sampled tokens alone: no advantage on context, tool results, prefixes
+                want[a:e] = s.adv_t + a_m_at[a:e]
+            assert torch.allclose(p["advantages"][b], want, atol=1e-6), (p["advantages"][b] - want).abs().max()
+            seen += 1
+    assert seen == one_rows
