@@ -264,7 +264,8 @@ def test_a_missing_or_broken_input_is_one_line_naming_it_and_exit_status_2(tmp_p
         (search.main, ["serve", "--index", str(index)], f"error: {index}: a damaged index ("),
         (train.main, ["--run", str(tmp_path / "run"), "--system-prompt", str(prompt), "--sft-steps", "0",
                       "--rl-steps", "0", "--hidden", "32", "--heads", "2"], no_prompt),
-        (memtrain.main, ["--run", str(tmp_path / "run2"), "--corpus", str(missing)], f"error: {missing}: file not found"),
+        (memtrain.main, ["--run", str(tmp_path / "run2"), "--corpus", str(missing)],
+         f"error: {missing}: file not found"),
         (ev.main, ["--checkpoint", str(model), "--system-prompt", str(prompt)], no_prompt),
         (diagnostics.main, ["--checkpoint", str(model), "--memory", "--system-prompt", str(prompt)], no_prompt),
     ]
