@@ -22,15 +22,23 @@ def hand_built_samples(n=6, seed=0):
     return out
 
 
-def test_ppo_update_changes_weights_on_policy_without_clipping():
+def test_ppo_update_changes_weights_and_reports_the_on_policy_loss_and_padding_by_hand():
+    """On policy the ratio is 1, so the token-mean loss is -(sum of the policy tokens' advantages) / their count:
+    each row's A_T on its L - 5 policy tokens plus its A_M on the 2 of them inside its <mem> span (by hand). The
+    padding waste ppo_update counts (over every rank) is grpo.padding_waste of the same micro-batches."""
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     cfg = train.parse_args(["--lr", "1e-2", "--micro-tokens", "40"])      # forces several micro-batches
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    samples = hand_built_samples()
     before = [p.detach().clone() for p in model.parameters()]
-    m = train.ppo_update(model, None, opt, hand_built_samples(), cfg, tok.pad_token_id)
-    assert "skipped" not in m and m["clip_frac"] == 0.0 and abs(m["approx_kl"]) < 1e-12   # ratio is exactly 1
-    assert 0 <= m["padding_waste"] < 1 and m["loss"] == m["loss"]
+    m = train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
+    assert "skipped" not in m
+    adv_sum = sum((len(s.ids) - 5) * s.adv_t + 2 * s.mem[0][2] for s in samples)
+    assert m["loss"] == pytest.approx(-adv_sum / sum(len(s.ids) - 5 for s in samples), abs=1e-6)
+    batches = grpo.micro_batches(samples, 40)
+    assert len(batches) >= 3 and m["padding_waste"] == pytest.approx(grpo.padding_waste(batches), abs=1e-12)
+    assert m["padding_waste"] > 0                                       # rows of unequal length share a batch
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
