@@ -110,6 +110,11 @@ def discard(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _first_line(e: Exception) -> str:
+    """An error's first line (its type for an empty message): what a one-line report quotes of it."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def checkpoint_damage(folder: str, need_marker: bool = True) -> str | None:
     """Why ``folder`` is no checkpoint to resume from, one line naming the file; None when it is intact.
 
@@ -139,7 +144,7 @@ def checkpoint_damage(folder: str, need_marker: bool = True) -> str | None:
                 with safe_open(p, framework="pt"):
                     pass
             except Exception as e:      # SafetensorError: a header that does not cover the file
-                return f"{p}: damaged ({str(e).splitlines()[0]})"
+                return f"{p}: damaged ({_first_line(e)})"
     trainer = os.path.join(folder, "trainer.pt")
     if not zipfile.is_zipfile(trainer):
         return f"{trainer}: {'damaged (not a whole torch.save file)' if os.path.exists(trainer) else 'missing'}"
@@ -301,7 +306,7 @@ def resume(run: str) -> dict | None:
     try:
         trainer = torch.load(path, weights_only=False)
     except Exception as e:      # damaged in a way its size and zip directory do not show
-        raise SystemExit(f"error: --resume {run}: {path}: damaged ({str(e).splitlines()[0]})") from None
+        raise SystemExit(f"error: --resume {run}: {path}: damaged ({_first_line(e)})") from None
     truncate_metrics(os.path.join(run, "metrics.jsonl"), trainer["state"])
     return trainer
 
