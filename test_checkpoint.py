@@ -130,3 +130,20 @@ def test_the_marker_lists_every_file_with_its_size_and_any_changed_file_is_damag
     (copy / "config.json").write_text("{}")                # any file, not only the weights
     assert checkpoint.checkpoint_damage(str(copy)) == f"{copy / 'config.json'}: damaged (2 bytes of the " \
                                                           f"{files['config.json']} saved)"
+
+
+def test_a_trainer_file_whose_zip_is_whole_but_not_torchs_stops_in_one_line(between_renames, tmp_path):
+    """What neither the sizes (an unmarked checkpoint) nor the zip directory show: torch.load's own error."""
+    import zipfile
+    _, killed = between_renames
+    run = copy_of(killed, tmp_path)
+    shutil.rmtree(run / "ckpt.old")
+    os.replace(run / "ckpt.tmp", run / "ckpt")
+    (run / "ckpt" / checkpoint.COMPLETE).unlink()
+    (run / "ckpt" / "trainer.pt").unlink()
+    with zipfile.ZipFile(run / "ckpt" / "trainer.pt", "w") as z:
+        z.writestr("notes.txt", "not a torch.save file")
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--run", str(run), "--resume"] + TINY)
+    msg = str(stop.value.code)
+    assert "\n" not in msg and msg.startswith(f"error: --resume {run}: {run / 'ckpt' / 'trainer.pt'}: damaged (")
