@@ -7,12 +7,15 @@ A run folder holds ``config.json`` (the run's Config), ``metrics.jsonl`` (one JS
 ``rollout.checkpoint_prompt``) + the memory reward's probe marker (``probe_think.txt``, ``trained_probe_think``), so
 a run from it probes as its SFT taught.
 
-* A checkpoint (model + ``trainer.pt``: optimizer, stage + step, torch RNG) is written to ``PATH.tmp`` and
-  renamed into place, so a kill leaves either the old or the new one. Data order depends only on
-  ``(seed, step)``, so ``--resume`` continues a killed run with the same batches.
-* ``resume`` (every recipe's one resume path) loads ``trainer.pt`` and drops the metrics rows a killed
-  run logged after its checkpoint: they are logged again, so a resumed run's metrics.jsonl holds each
-  step once.
+* A checkpoint (model + ``trainer.pt``: optimizer, stage + step, torch RNG) is written whole to ``PATH.tmp``,
+  flushed to disk, marked complete by ``complete.json`` written last (its files and their sizes), then
+  ``PATH`` -> ``PATH.old`` and ``PATH.tmp`` -> ``PATH``: a kill at any instant leaves a complete ``PATH``,
+  ``PATH.tmp`` or ``PATH.old``. Data order depends only on ``(seed, step)``, so ``--resume`` continues a
+  killed run with the same batches.
+* ``resume`` (every recipe's one resume path) puts the first intact one of ``RUN/ckpt``, ``ckpt.tmp``,
+  ``ckpt.old`` in place as ``RUN/ckpt`` (a damaged file is one line naming it), loads ``trainer.pt`` and drops
+  the metrics rows a killed run logged after its checkpoint: they are logged again, so a resumed run's
+  metrics.jsonl holds each step once.
 * The KL reference is the policy RL started from, saved once as ``RUN/ref`` when RL starts and loaded
   from there by every run, fresh or resumed: a resumed run pulls towards the same policy as an
   uninterrupted one (a copy of the current model would be the step-s checkpoint).
@@ -31,8 +34,10 @@ import json
 import os
 import shutil
 import sys
+import zipfile
 
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dist
@@ -40,22 +45,110 @@ from models import AdaptersOff, attach_lora, is_lora, load_lora, load_pretrained
 
 def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_prompt: str,
                     probe_think: str = "") -> None:
-    """Atomic checkpoint: write to ``path.tmp`` then rename over ``path``. Torchrun: every rank calls it
-    (FSDP2 gathers the full state), rank 0 writes."""
+    """A checkpoint no kill loses: written whole to ``path.tmp``, every file flushed to disk, ``complete.json``
+    written last (``mark_complete``), then ``path`` -> ``path.old``, ``path.tmp`` -> ``path`` and ``path.old``
+    removed; ``resume`` finds whichever complete one a kill left. Torchrun: every rank calls it (FSDP2 gathers
+    the full state), rank 0 writes."""
     model_sd, optimizer_sd = dist.full_state(model, optimizer)
     if dist.DIST.rank != 0:
         return
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp, old = path + ".tmp", path + ".old"
+    discard(tmp)
     save_model(tmp, model, tokenizer, system_prompt, model_sd, probe_think)
     torch.save({"optimizer": optimizer_sd, "state": state,
                 "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer.pt"))
-    old = path + ".old"
-    shutil.rmtree(old, ignore_errors=True)
+    mark_complete(tmp, state)
+    discard(old)
     if os.path.exists(path):
         os.replace(path, old)
     os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    fsync_folder(os.path.dirname(os.path.abspath(path)))     # the renames on disk before the old copy goes
+    discard(old)
+
+
+COMPLETE = "complete.json"      # a checkpoint's marker, written last: a folder without it is a save cut short
+
+
+def fsync_folder(path: str) -> None:
+    """Flush a folder's entries (files created or renamed in it) to disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:             # a platform that cannot open a folder (Windows): its renames are its own
+        return
+    try:
+        os.fsync(fd)
+    except OSError:             # a filesystem that cannot fsync a folder (some network mounts)
+        pass
+    finally:
+        os.close(fd)
+
+
+def mark_complete(folder: str, state: dict) -> None:
+    """Flush every file of ``folder`` to disk, then write ``complete.json`` (``state`` and each file's size, what
+    ``checkpoint_damage`` checks) and flush it and the folder: the marker exists only once everything else does."""
+    sizes = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            p = os.path.join(root, name)
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+            sizes[os.path.relpath(p, folder)] = os.path.getsize(p)
+    with open(os.path.join(folder, COMPLETE), "w") as f:
+        json.dump({"state": state, "files": sizes}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_folder(folder)
+
+
+def discard(folder: str) -> None:
+    """Remove a checkpoint folder, its marker first: one half removed never reads as complete."""
+    try:
+        os.remove(os.path.join(folder, COMPLETE))
+        fsync_folder(folder)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _first_line(e: Exception) -> str:
+    """An error's first line (its type for an empty message): what a one-line report quotes of it."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def checkpoint_damage(folder: str, need_marker: bool = True) -> str | None:
+    """Why ``folder`` is no checkpoint to resume from, one line naming the file; None when it is intact.
+
+    Every file ``complete.json`` lists must have the size it was saved with (a truncated copy, a disk that
+    filled), the weights must open (each ``*.safetensors`` header covers its file) and ``trainer.pt`` must be
+    a whole ``torch.save`` file (its zip directory sits at the end). A checkpoint from before the marker
+    existed (``need_marker=False``) gets the last two checks alone."""
+    marker = os.path.join(folder, COMPLETE)
+    if os.path.isfile(marker):
+        try:
+            with open(marker) as f:
+                sizes = json.load(f)["files"]
+        except (ValueError, KeyError, TypeError) as e:
+            return f"{marker}: unreadable ({e})"
+        for name, size in sizes.items():
+            p = os.path.join(folder, name)
+            if not os.path.isfile(p):
+                return f"{p}: missing"
+            if os.path.getsize(p) != size:
+                return f"{p}: damaged ({os.path.getsize(p)} bytes of the {size} saved)"
+    elif need_marker:
+        return f"{folder}: incomplete (no {COMPLETE}: its save was cut short)"
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            p = os.path.join(folder, name)
+            try:
+                with safe_open(p, framework="pt"):
+                    pass
+            except Exception as e:      # SafetensorError: a header that does not cover the file
+                return f"{p}: damaged ({_first_line(e)})"
+    trainer = os.path.join(folder, "trainer.pt")
+    if not zipfile.is_zipfile(trainer):
+        return f"{trainer}: {'damaged (not a whole torch.save file)' if os.path.exists(trainer) else 'missing'}"
+    return None
 
 
 def save_model(path: str, model, tokenizer, system_prompt: str, state_dict: dict | None = None,
@@ -175,22 +268,64 @@ def truncate_metrics(path: str, state: dict) -> None:
         f.writelines(rows)
 
 
+CANDIDATES = ("ckpt", "ckpt.tmp", "ckpt.old")   # where a kill may have left a run's newest checkpoint, in order
+
+
 def resume(run: str) -> dict | None:
-    """The trainer state of ``RUN/ckpt`` (``optimizer``, ``state`` = stage + step, ``torch_rng``), with the
-    metrics rows logged after it dropped; None when there is no checkpoint (``check_run`` refuses that first)."""
-    path = os.path.join(run, "ckpt", "trainer.pt")
-    if not os.path.exists(path):
+    """The trainer state (``optimizer``, ``state`` = stage + step, ``torch_rng``) of the run's newest intact
+    checkpoint, with the metrics rows logged after it dropped; None when there is none (``check_run`` refuses that
+    first).
+
+    That checkpoint is the first intact one (``checkpoint_damage``) of ``RUN/ckpt``; ``ckpt.tmp``, complete when a
+    kill came between the save's renames; ``ckpt.old``, the one before it. One that is not ``RUN/ckpt`` is renamed
+    into place (a damaged ``RUN/ckpt`` kept as ``ckpt.damaged``), so every loader reads ``RUN/ckpt``, saying so in
+    one line; none intact stops the run with one line naming each damaged file."""
+    ckpt = os.path.join(run, "ckpt")
+    found, passed = None, []
+    for folder in (os.path.join(run, c) for c in CANDIDATES):
+        if os.path.isdir(folder):
+            why = checkpoint_damage(folder, need_marker=folder != ckpt)
+            if why is None:
+                found = folder
+                break
+            passed.append(why)
+    if found is None:
+        if passed:
+            raise SystemExit(f"error: --resume {run}: no intact checkpoint: {'; '.join(passed)}")
         return None
-    trainer = torch.load(path, weights_only=False)
+    if found != ckpt:
+        said = (f"warning: {passed[0]}; resuming from the intact {found} (the damaged copy kept as {ckpt}.damaged)"
+                if os.path.isdir(ckpt) else
+                f"{ckpt} missing (a kill between the save's renames): resuming from {found}")
+        dist.all_sum([0.0])     # torchrun: every rank has looked before rank 0 renames
+        if dist.DIST.rank == 0:
+            print(said, file=sys.stderr)
+            put_in_place(found, ckpt)
+        dist.all_sum([0.0])
+    path = os.path.join(ckpt, "trainer.pt")
+    try:
+        trainer = torch.load(path, weights_only=False)
+    except Exception as e:      # damaged in a way its size and zip directory do not show
+        raise SystemExit(f"error: --resume {run}: {path}: damaged ({_first_line(e)})") from None
     truncate_metrics(os.path.join(run, "metrics.jsonl"), trainer["state"])
     return trainer
+
+
+def put_in_place(found: str, ckpt: str) -> None:
+    """Rename the checkpoint ``found`` to ``ckpt``, a ``ckpt`` already there to ``ckpt.damaged``; a kill between the
+    two renames leaves ``found`` for the next ``resume``."""
+    if os.path.isdir(ckpt):
+        shutil.rmtree(ckpt + ".damaged", ignore_errors=True)
+        os.replace(ckpt, ckpt + ".damaged")
+    os.replace(found, ckpt)
+    fsync_folder(os.path.dirname(ckpt))
 
 
 def check_run(run: str, resuming: bool) -> str:
     """Create the run folder; returns its metrics path. A folder that already holds a run is refused unless
     ``resuming``: two runs' metrics never mix and no checkpoint is overwritten. ``resuming`` a folder without
     a checkpoint stops with one line and exit status 2 (a flag error): a fresh start there would be silent."""
-    if resuming and not os.path.exists(os.path.join(run, "ckpt", "trainer.pt")):
+    if resuming and not any(os.path.isdir(os.path.join(run, c)) for c in CANDIDATES):
         print(f"error: --resume {run}: nothing to resume (no checkpoint {os.path.join(run, 'ckpt')})",
               file=sys.stderr)
         raise SystemExit(2)

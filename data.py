@@ -9,7 +9,8 @@ Two sources of data:
   initialised ``LlamaForCausalLM``.
 * **Real data**: a QA file (JSONL or parquet, fields ``question`` and ``golden_answers`` as in
   Search-R1 / MEM1) and a corpus (JSONL with ``id`` and ``contents``, as wiki-18). A missing file or
-  a malformed line is a ``DataError`` that names the file and the line.
+  a malformed line is a ``DataError`` that names the file and the line, one line on stderr from every
+  script (``exit_on_bad_input``).
 
 The world (choices of this project):
 
@@ -52,6 +53,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +77,17 @@ MAX_DOC_IDS = N_ENTITIES * len(RELATIONS)
 
 class DataError(ValueError):
     """A dataset or corpus file is missing or malformed; the message names the file and line."""
+
+
+def exit_on_bad_input(main: Callable[[], object]) -> None:
+    """Run a script's ``main`` as its ``__main__``: a missing or broken input (a ``DataError``, which names the file
+    and line; an ``OSError``: a path that is not there, a folder that holds no model) ends it with one line on
+    stderr and exit status 2, not a traceback."""
+    try:
+        main()
+    except (DataError, OSError) as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        sys.exit(2)
 
 
 # --------------------------------------------------------------------------- the world

@@ -98,8 +98,9 @@ def setup_distributed(cfg) -> torch.device:
 
 
 def close() -> None:
-    """End the process group (torchrun); nothing otherwise."""
+    """End the process group (torchrun), once every rank is done; nothing otherwise."""
     if DIST.active:
+        all_sum([0.0])
         tdist.destroy_process_group()
 
 

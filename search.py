@@ -186,17 +186,25 @@ class BM25Index(Retriever):
         if not os.path.exists(meta_path):
             raise data.DataError(f"{path}: not an index folder (no meta.json); build one with "
                                  f"python search.py index --corpus CORPUS --index {path}")
-        with open(meta_path) as f:
-            self.meta = json.load(f)
-        if self.meta.get("version") != INDEX_VERSION:
-            raise data.DataError(f"{path}: index version {self.meta.get('version')}, this code reads {INDEX_VERSION}")
-        self.path, self.top_k, self.n = path, top_k, self.meta["n_docs"]
-        with open(os.path.join(path, "vocab.json"), encoding="utf-8") as f:
-            self.vocab = {t: i for i, t in enumerate(json.load(f))}
-        load = lambda name: np.load(os.path.join(path, name), mmap_mode="r")
-        self.post_doc, self.post_weight = load("postings_doc.npy"), load("postings_weight.npy")
-        self.term_start, self.doc_start = load("term_start.npy"), load("doc_start.npy")
-        self.doc_bytes = np.memmap(os.path.join(path, "docs.jsonl"), dtype=np.uint8, mode="r")
+        try:
+            with open(meta_path) as f:
+                self.meta = json.load(f)
+            if self.meta.get("version") != INDEX_VERSION:
+                raise data.DataError(f"{path}: index version {self.meta.get('version')}, this code reads "
+                                     f"{INDEX_VERSION}")
+            self.path, self.top_k, self.n = path, top_k, self.meta["n_docs"]
+            with open(os.path.join(path, "vocab.json"), encoding="utf-8") as f:
+                self.vocab = {t: i for i, t in enumerate(json.load(f))}
+            load = lambda name: np.load(os.path.join(path, name), mmap_mode="r")
+            self.post_doc, self.post_weight = load("postings_doc.npy"), load("postings_weight.npy")
+            self.term_start, self.doc_start = load("term_start.npy"), load("doc_start.npy")
+            self.doc_bytes = np.memmap(os.path.join(path, "docs.jsonl"), dtype=np.uint8, mode="r")
+        except data.DataError:
+            raise
+        except (OSError, ValueError, KeyError, AttributeError) as e:   # a file gone, cut short or not what it was
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise data.DataError(f"{path}: a damaged index ({why}); rebuild it with python search.py index "
+                                 f"--corpus CORPUS --index {path}") from None
         self.row_of: dict[str, int] | None = None         # id -> row, read on the first ``access``
         self.lock = threading.Lock()
 
@@ -417,4 +425,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    data.exit_on_bad_input(main)         # a missing or broken input: one line, exit status 2

@@ -168,3 +168,29 @@ def test_a_run_trained_in_full_context_is_evaluated_in_snail_unless_asked(tmp_pa
         ev.main(quick + extra)
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["context"] == context
     assert ev.run_context(None, str(run)) == "full"                      # --compare: each run as it trained
+
+
+def test_an_episode_that_never_answers_is_cut_at_the_turn_cap_and_scored_invalid():
+    """eval's agent (its 64-turn cap) over a policy that searches every round: the episode stops after its 64th round (round 63)
+    (the policy's tape holds exactly 64 rounds, so a 65th fails), never answered, format-invalid, and scores 0
+    with 64 turns in the table."""
+    import eval as ev
+    from conftest import ExpertTape
+    from reward import outcome_reward
+    from rollout import run_episodes
+    tok = data.build_tokenizer()
+    world, tasks = data.held_out_tasks(1, 1)
+    search_round, _ = data.expert_episode(tasks[0])[0]
+    ids = tok.encode(search_round, add_special_tokens=False)
+    assert "<search>" in search_round and ids[:1] == tok.encode("<mem>", add_special_tokens=False)
+    agent = ev.greedy_agent(system_prompt=data.SYSTEM_PROMPT)
+    assert agent.max_turns == 64
+    tape = ids + ids[1:] * (agent.max_turns - 1)            # the loop forces "<mem>" from round 2
+    policy = ExpertTape(data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval(), tape)
+    traj, = run_episodes(policy, tok, tasks, SearchTool(world.docs), agent)
+    assert policy.n == len(tape) and len(traj.rounds) == 64 and traj.answer is None
+    assert [r.action for r in traj.rounds] == ["search"] * 64
+    o = outcome_reward(traj)
+    assert not o["valid"] and o["reason"] == "rule 6: the last round ends with <search>, not <answer> (round 63)"
+    row = summarize([traj])
+    assert (row["turns"], row["valid"], row["score"], row["f1"], row["em"]) == (64, 0.0, 0.0, 0.0, 0.0)

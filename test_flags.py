@@ -224,3 +224,69 @@ def test_bad_flags_end_to_end_print_one_line_and_leave_no_run(tmp_path):
         r = subprocess.run([sys.executable] + cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=120)
         assert (r.returncode, r.stderr, r.stdout) == (2, line, "")
     assert not run.exists()
+
+
+# --------------------------------------------------------------------------- a missing or broken input
+
+def entry_points() -> list[str]:
+    """Every script of the repository with a ``__main__`` block (the tests aside)."""
+    paths = [os.path.join(HERE, n) for n in os.listdir(HERE)] + [os.path.join(HERE, "recipes", n)
+                                                                  for n in os.listdir(os.path.join(HERE, "recipes"))]
+    return sorted(os.path.relpath(p, HERE) for p in paths if p.endswith(".py") and not
+                  os.path.basename(p).startswith(("test_", "conftest")) and '__name__ == "__main__"' in open(p).read())
+
+
+def test_every_entry_point_runs_its_main_under_the_bad_input_guard():
+    scripts = entry_points()
+    assert {"train.py", "eval.py", "sft.py", "search.py", "diagnostics.py", "viz.py", "bench.py",
+            "recipes/memalpha.py", "recipes/memalpha_eval.py", "recipes/memtrain.py",
+            "recipes/memtrain_eval.py"} <= set(scripts)
+    for name in scripts:
+        guard = open(os.path.join(HERE, name)).read().split('if __name__ == "__main__":')[1]
+        assert guard.split() == ["data.exit_on_bad_input(main)"] + guard.split()[1:] \
+            or guard.split()[0] == "exit_on_bad_input(main)", f"{name}: main() runs unguarded"
+
+
+def test_a_missing_or_broken_input_is_one_line_naming_it_and_exit_status_2(tmp_path, capsys, monkeypatch):
+    """Each script's own reading of each kind of input: a data file missing or not JSON, an index folder cut
+    short, a system prompt file that is not there."""
+    missing, bad = tmp_path / "MISSING.jsonl", tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "1", "contents": "kalo friend mira"}\n{not json\n')
+    index = tmp_path / "index"
+    search.build_index([{"id": "1", "contents": "kalo friend mira"}, {"id": "2", "contents": "mira boss tebo"}],
+                       str(index))
+    (index / "postings_doc.npy").write_bytes((index / "postings_doc.npy").read_bytes()[:70])
+    monkeypatch.setattr(search, "make_server", lambda *a: pytest.fail("serving a damaged index"))
+    tok = data.build_tokenizer()
+    model = tmp_path / "model"
+    checkpoint.save_model(str(model), data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64), tok,
+                          data.SYSTEM_PROMPT)
+    prompt = tmp_path / "MISSING.txt"
+    no_prompt = f"error: [Errno 2] No such file or directory: '{prompt}'"
+    cases = [
+        (search.main, ["index", "--corpus", str(missing), "--index", str(tmp_path / "ix")],
+         f"error: {missing}: file not found"),
+        (search.main, ["index", "--corpus", str(bad), "--index", str(tmp_path / "ix")],
+         f"error: {bad}:2: not valid JSON"),
+        (search.main, ["serve", "--index", str(index)], f"error: {index}: a damaged index ("),
+        (train.main, ["--run", str(tmp_path / "run"), "--system-prompt", str(prompt), "--sft-steps", "0",
+                      "--rl-steps", "0", "--hidden", "32", "--heads", "2"], no_prompt),
+        (memtrain.main, ["--run", str(tmp_path / "run2"), "--corpus", str(missing)],
+         f"error: {missing}: file not found"),
+        (ev.main, ["--checkpoint", str(model), "--system-prompt", str(prompt)], no_prompt),
+        (diagnostics.main, ["--checkpoint", str(model), "--memory", "--system-prompt", str(prompt)], no_prompt),
+    ]
+    capsys.readouterr()
+    for main, argv, line in cases:
+        with pytest.raises(SystemExit) as stop:
+            data.exit_on_bad_input(lambda: main(argv))
+        err = capsys.readouterr().err              # a model's loading bar may come first
+        assert stop.value.code == 2 and err.endswith("\n") and err.splitlines()[-1].startswith(line), (argv, err)
+        assert "Traceback" not in err and sum(ln.startswith("error") for ln in err.splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "ix" / "meta.json").exists()
+
+
+def test_search_index_of_a_missing_corpus_end_to_end_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "search.py", "index", "--corpus", "MISSING.jsonl", "--index", str(tmp_path)],
+                       cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr, r.stdout) == (2, "error: MISSING.jsonl: file not found\n", "")

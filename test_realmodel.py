@@ -344,4 +344,6 @@ def test_exported_files_score_the_same_as_the_in_memory_eval(sft_run, tmp_path):
     files = run_episodes(model, tok, data.load_qa(paths[0]), SearchTool(data.load_corpus(paths[1])), agent)
     assert [[r.round_ids for r in t.rounds] for t in files] == [[r.round_ids for r in t.rounds] for t in in_memory]
     assert ev.summarize(files) == ev.summarize(in_memory)
-    assert sum(len(t.rounds) for t in files) > 16                  # the policy searched: the tool's files were used
+    # every round saw the same tool results from the exported corpus as from the world's documents (the fixture's
+    # criterion, >= 24 rounds on these very questions, makes the policy search)
+    assert [[r.context_ids for r in t.rounds] for t in files] == [[r.context_ids for r in t.rounds] for t in in_memory]

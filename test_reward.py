@@ -321,9 +321,18 @@ def test_memory_reward_rounds_and_nothing_to_score(tok):
     mixed = _trajectory(tok, x, ["1", None, "2 friend", f"1 : friend {x}"])
     mixed.rounds[0] = _round(tok, PROMPT, f"<mem> 1 </mem> {ROUND1}", "search")   # round 0: never scored
     assert mixed.rounds[0].mem_end == 3
-    out = memory_rewards(model, tok, [skip, mixed], token_budget=50)
+    out = memory_rewards(model, tok, [skip, mixed], threshold=0.0, token_budget=50)    # every gold word counts
     assert out["scored"] == [(1, 1), (1, 3), (1, 4)] and out["n"] == 3 and len(out["reward"]) == 3
-    assert all(r == pytest.approx(m - f) for r, m, f in zip(out["reward"], out["p_mem"], out["p_full"]))
+    # by hand, round by round: P = p(x | context + "<think> probe </think> <answer>"), x one token
+    ids, mask = answer_template(tok, mixed.golds)
+    at_x = [j for j, w in enumerate(mask) if w]
+    assert len(at_x) == 1
+    p = lambda ctx: _naive_logprobs(model, ctx, ids)[at_x[0]].exp().item()
+    with torch.no_grad():
+        want = [p(mixed.prompt_ids + r.round_ids[:r.mem_end]) - p(r.context_ids)
+                for r in (mixed.rounds[k] for k in (1, 3, 4))]
+    assert out["reward"] == pytest.approx(want, rel=0, abs=1e-8)     # rewards ~3e-5 on an untrained model
+    assert min(abs(a - b) for a, b in zip(want, want[1:] + want[:1])) > 1e-7     # each round its own memory
 
 
 def test_answer_logprobs_buckets_two_length_profiles_with_the_same_numbers(tok):

@@ -2,6 +2,7 @@
 per-trajectory loss with or without micro-batches, it moves log-probabilities the way the advantages point,
 and a non-finite batch is skipped with the weights untouched."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -21,15 +22,23 @@ def hand_built_samples(n=6, seed=0):
     return out
 
 
-def test_ppo_update_changes_weights_on_policy_without_clipping():
+def test_ppo_update_changes_weights_and_reports_the_on_policy_loss_and_padding_by_hand():
+    """On policy the ratio is 1, so the token-mean loss is -(sum of the policy tokens' advantages) / their count:
+    each row's A_T on its L - 5 policy tokens plus its A_M on the 2 of them inside its <mem> span (by hand). The
+    padding waste ppo_update counts (over every rank) is grpo.padding_waste of the same micro-batches."""
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     cfg = train.parse_args(["--lr", "1e-2", "--micro-tokens", "40"])      # forces several micro-batches
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    samples = hand_built_samples()
     before = [p.detach().clone() for p in model.parameters()]
-    m = train.ppo_update(model, None, opt, hand_built_samples(), cfg, tok.pad_token_id)
-    assert "skipped" not in m and m["clip_frac"] == 0.0 and abs(m["approx_kl"]) < 1e-12   # ratio is exactly 1
-    assert 0 <= m["padding_waste"] < 1 and m["loss"] == m["loss"]
+    m = train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
+    assert "skipped" not in m
+    adv_sum = sum((len(s.ids) - 5) * s.adv_t + 2 * s.mem[0][2] for s in samples)
+    assert m["loss"] == pytest.approx(-adv_sum / sum(len(s.ids) - 5 for s in samples), abs=1e-6)
+    batches = grpo.micro_batches(samples, 40)
+    assert len(batches) >= 3 and m["padding_waste"] == pytest.approx(grpo.padding_waste(batches), abs=1e-12)
+    assert m["padding_waste"] > 0                                       # rows of unequal length share a batch
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
@@ -209,3 +218,25 @@ def test_a_full_context_trajectory_is_one_row_with_every_rounds_spans_and_the_sa
     assert [s.ids for s in one[1:]] == [s.ids for s in per_round[3:]]
     for a, b in zip(_sgd_step(one, ["--agg", agg])[0], _sgd_step(per_round, ["--agg", agg])[0]):
         assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+
+
+def test_asymmetric_clip_bounds_and_the_dual_clip_reach_policy_loss(monkeypatch):
+    """--clip-low 0.1 --clip-high 0.3 --dual-clip 3 over two mini-batches (the clip acts from the second): every
+    policy_loss call gets each bound in its own place (swapped or symmetric bounds fail here)."""
+    seen = []
+    real = train.policy_loss
+
+    def spy(*a, **kw):
+        args = inspect.signature(real).bind(*a, **kw)
+        args.apply_defaults()
+        seen.append((args.arguments["clip_low"], args.arguments["clip_high"], args.arguments["dual_clip"]))
+        return real(*a, **kw)
+    monkeypatch.setattr(train, "policy_loss", spy)
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    cfg = train.parse_args(["--clip-low", "0.1", "--clip-high", "0.3", "--dual-clip", "3", "--ppo-minibatches", "2",
+                            "--lr", "3e-2"])
+    m = train.ppo_update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr), hand_built_samples(n=8, seed=1),
+                         cfg, tok.pad_token_id)
+    assert "skipped" not in m and m["clip_frac"] > 0
+    assert len(seen) >= 2 and set(seen) == {(0.1, 0.3, 3.0)}

@@ -657,8 +657,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except data.DataError as e:          # a bad data file: one line naming file and line, exit status 2
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    data.exit_on_bad_input(main)         # a missing or broken input: one line, exit status 2

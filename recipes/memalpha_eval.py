@@ -27,7 +27,7 @@ import time
 
 from transformers import AutoTokenizer
 
-from data import SPLIT_SEEDS
+from data import SPLIT_SEEDS, exit_on_bad_input
 from flags import Accepts, FlagParser
 from models import load_model, pick_device
 from recipes.memalpha import (WriterConfig, answer_contexts, memalpha_rollout, r2_call_success, r3_compression,
@@ -140,4 +140,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_bad_input(main)              # a missing or broken input: one line, exit status 2

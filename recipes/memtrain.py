@@ -325,4 +325,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    data.exit_on_bad_input(main)         # a missing or broken input: one line, exit status 2
