@@ -268,15 +268,17 @@ def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: 
 
 
 def scoring_pairs(tok, trajs) -> tuple[list, list, list]:
-    """(full_traj, mem_traj, answer ids) of every round after the first with a ``<mem>`` span: what ``memory_rewards`` scores."""
+    """(full_traj, mem_traj, answer ids) of every round after the first with a ``<mem>`` span: what
+    ``memory_rewards`` scores."""
     scored = [(t, r) for t in trajs for i, r in enumerate(t.rounds) if i >= 1 and r.mem_end > 0]
     return ([r.context_ids for _, r in scored], [mem_traj(t.prompt_ids, r.round_ids, r.mem_end) for t, r in scored],
             [answer_template(tok, t.golds)[0] for t, _ in scored])
 
 
 def expert_pairs(tok, n: int, system_prompt: str) -> tuple[list, list, list]:
-    """``scoring_pairs`` of ``n`` expert rounds after the first (K = 2, 1-2 hops) under ``system_prompt``, rendered as the agent
-    loop renders them: for a model from elsewhere, whose own zero-shot rounds hold no ``<mem>`` span to score."""
+    """``scoring_pairs`` of ``n`` expert rounds after the first (K = 2, 1-2 hops) under ``system_prompt``, rendered as
+    the agent loop renders them: for a model from elsewhere, whose own zero-shot rounds hold no ``<mem>`` span to
+    score."""
     world, tasks = data.make_tasks(11, n, [2], (1, 2))
     tool, prefix = SearchTool(world.docs), tok.encode("<mem>", add_special_tokens=False)
     full, mem, ans = [], [], []

@@ -5,7 +5,8 @@ the memory reward still ranks (``zero_var_frac``, ``zero_var_mem_frac``, per obj
 reward's parts (``p_mem``, ``p_full``, the masks, the rounds with no signal); and where the memory advantage's
 magnitude goes: the share of sum |A_M| from pools whose rewards differ by less than 0.01 / 0.05 (each pool is
 divided by its std, so a pool of near-equal rewards still gets unit-variance advantages), what the rounds
-with nothing to keep receive, and the mean A_M on rounds that search, answer, or answer early (before the last hop). A file of its own so the RL step reads without it.
+with nothing to keep receive, and the mean A_M on rounds that search, answer, or answer early (before the last
+hop). A file of its own so the RL step reads without it.
 
 ``rl_metrics`` is what the step calls: ``metric_values`` collects one rank's values, ``dist.gather_metrics`` joins the
 ranks', ``step_metrics`` reduces.

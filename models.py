@@ -178,9 +178,11 @@ class AdaptersOff:
 # a conversation whose every message a faithful template renders as written; each assistant turn holds a
 # </think>, the mark a reasoning model's template cuts earlier turns at
 PROBE_CHAT = [{"role": "system", "content": "probe system"}, {"role": "user", "content": "probe question"},
-              {"role": "assistant", "content": "<mem> probe memory 1 </mem> <think> probe 1 </think> <search> q1 </search>"},
+              {"role": "assistant",
+               "content": "<mem> probe memory 1 </mem> <think> probe 1 </think> <search> q1 </search>"},
               {"role": "user", "content": "<information> probe result 1 </information>"},
-              {"role": "assistant", "content": "<mem> probe memory 2 </mem> <think> probe 2 </think> <search> q2 </search>"},
+              {"role": "assistant",
+               "content": "<mem> probe memory 2 </mem> <think> probe 2 </think> <search> q2 </search>"},
               {"role": "user", "content": "<information> probe result 2 </information>"}]
 SLOT_RE = re.compile(r"\x00slot(\d+)\x00")
 _VERBATIM: dict[str, bool] = {}         # chat template -> does it need the verbatim rendering

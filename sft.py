@@ -17,10 +17,10 @@ checkpoints). MemPO's cold start (``cold_start``) feeds it:
   system prompt, and probe rows of its rounds (``file_probe_samples``: the answers a context or a ``<mem>``
   holds are read off its text), so the memory reward's probes are in distribution on this path too.
 
-Every row is rendered exactly as the agent loop renders the round (``episode_samples``: snail or full
-context, the forced ``<mem>`` prefix without loss on every round after the first). The lr warms up linearly, then follows a
-cosine to 0 (``cosine_lr``). ``held_out_f1`` is the periodic greedy check on held-out worlds that the SFT and
-RL logs carry (``val_f1_k2`` / ``val_f1_k4``); eval.py reports the full tables.
+Every row is rendered exactly as the agent loop renders the round (``episode_samples``: snail or full context, the
+forced ``<mem>`` prefix without loss on every round after the first). The lr warms up linearly, then follows a
+cosine to 0 (``cosine_lr``). ``held_out_f1`` is the periodic greedy check on held-out worlds that the SFT and RL
+logs carry (``val_f1_k2`` / ``val_f1_k4``); eval.py reports the full tables.
 
 ``python sft.py --export DIR`` writes the embedded world as real-format files (test sets, corpora, and
 expert trajectories for ``--sft-data``).

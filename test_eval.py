@@ -171,8 +171,9 @@ def test_a_run_trained_in_full_context_is_evaluated_in_snail_unless_asked(tmp_pa
 
 
 def test_an_episode_that_never_answers_is_cut_at_the_turn_cap_and_scored_invalid():
-    """eval's agent (its 64-turn cap) over a policy that searches every round: the episode stops after its 64th round (round 63)
-    (the policy's tape holds exactly 64 rounds, so a 65th fails), never answered, format-invalid, and scores 0
+    """eval's agent (its 64-turn cap) over a policy that searches every round: the episode stops after its 64th
+    round, round 63 (the policy's tape holds exactly 64 rounds, so a 65th fails), never answered, format-invalid,
+    and scores 0
     with 64 turns in the table."""
     import eval as ev
     from conftest import ExpertTape

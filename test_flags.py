@@ -116,7 +116,8 @@ def test_help_groups_the_flags_by_config_section_and_a_recipe_s_own_last(capsys)
     sections = [f.metadata["section"] for f in fields(train.Config)]
     first = [f.name for f in fields(train.Config)][:sections.index(titles[1])]          # the fields before group 2
     assert len(titles) == 5 and len(first) <= 25
-    assert {"model", "data", "corpus", "search_url", "rl_steps", "lr", "mem_weight", "lora_rank", "report_to"} <= set(first)
+    assert {"model", "data", "corpus", "search_url", "rl_steps", "lr", "mem_weight", "lora_rank",
+            "report_to"} <= set(first)
     assert not {"sft_steps", "forget_p", "hidden", "mem_adv_norm", "outcome", "clip_low"} & set(first)
     for config in CONFIGS:
         with pytest.raises(SystemExit):

@@ -118,7 +118,8 @@ def test_smollm2_under_rank_16_trains_the_adapters_alone():
     model, tok = models.load_pretrained("smollm2", CPU)
     cfg = train.parse_args(["--model", "smollm2", "--lora-rank", "16", "--lr", "1e-3", "--temperature", "1"])
     ids = tok.encode("<mem> Paris is the capital of France </mem> <think> answer </think> <answer> Paris </answer>")
-    samples = [grpo.target_row(ids[:4], ids[4:], adv_t=1.0, traj=0), grpo.target_row(ids[:4], ids[4:-3], adv_t=-1.0, traj=1)]
+    samples = [grpo.target_row(ids[:4], ids[4:], adv_t=1.0, traj=0),
+               grpo.target_row(ids[:4], ids[4:-3], adv_t=-1.0, traj=1)]
     x = grpo.collate(samples, tok.pad_token_id, CPU)
     with torch.no_grad():
         before = grpo.token_logprobs(model, x["ids"], x["attn"])

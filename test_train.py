@@ -166,7 +166,8 @@ def test_build_samples_and_collate_place_mem_span_and_memory_advantage_by_round_
     assert x["loss_mask"][1].tolist() == [0] * 6 + [1] * 4           # the forced prefix (position 5) is mask 0
     assert x["mem_adv"][1].tolist() == [0] * 5 + [1.5] * 3 + [0] * 2   # prefix + 2 sampled tokens
     assert x["mem_adv"][0].sum() == 0 and x["loss_mask"][0].tolist() == [0] * 3 + [1] * 3 + [0] * 4
-    assert x["mem_adv"][4].tolist() == [0] * 4 + [7.0] + [0] * 5 and x["ids"][4].tolist() == ctx2 + [20, 51, 52, 0, 0, 0]
+    assert x["mem_adv"][4].tolist() == [0] * 4 + [7.0] + [0] * 5
+    assert x["ids"][4].tolist() == ctx2 + [20, 51, 52, 0, 0, 0]
     assert x["adv_t"].tolist() == [0.5] * 4 + [-2.0]
     from grpo import token_advantages
     adv = token_advantages(x["adv_t"], x["mem_adv"], x["loss_mask"])

@@ -18,7 +18,8 @@ def hand_built_samples(n=6, seed=0):
     for i in range(n):
         L, P = int(torch.randint(8, 20, (1,), generator=g)), 5
         ids = torch.randint(5, 200, (L,), generator=g).tolist()
-        out.append(grpo.Sample(ids, [(P, L)], [(P - 1, P + 2, 0.5 * (-1.0) ** (i // 2))], adv_t=(-1.0) ** i))  # prefix + 2
+        mem = [(P - 1, P + 2, 0.5 * (-1.0) ** (i // 2))]            # the forced prefix + 2 sampled tokens
+        out.append(grpo.Sample(ids, [(P, L)], mem, adv_t=(-1.0) ** i))
     return out
 
 
@@ -116,7 +117,8 @@ def test_update_raises_logprob_of_positive_and_lowers_negative_advantage_tokens(
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     up = tok.encode("<mem> 1 = bobi friend </mem> <think> search </think>", add_special_tokens=False)
     down = tok.encode("<think> answer </think> <answer> gonu </answer>", add_special_tokens=False)
-    up, down = grpo.target_row(up[:3], up[3:], adv_t=1.0, traj=0), grpo.target_row(down[:3], down[3:], adv_t=-1.0, traj=1)
+    up = grpo.target_row(up[:3], up[3:], adv_t=1.0, traj=0)
+    down = grpo.target_row(down[:3], down[3:], adv_t=-1.0, traj=1)
 
     def policy_logp(s):
         ids = torch.tensor([s.ids])

@@ -166,17 +166,17 @@ class Config:
     # the expert's K and the two past it: a K RL never samples is where its updates break a memory write unseen;
     # every hop count (RL on 1-2 hops taught 3-hop questions to answer after 2 hops)
     rl_objectives: str = flag("1-4", "objective counts K of RL questions", int_range=True,
-                    section="the embedded world: its RL questions and SFT cold start (sft.py), its tokenizer and tiny model")
+                    section="the embedded world: its RL questions, SFT cold start (sft.py), tokenizer and tiny model")
     rl_hops: str = flag("1-3", "hops per objective in RL", int_range=True)
     sft_steps: int = flag(2900, "SFT cold-start steps (embedded default only; 0 skips)", min=0)
     sft_batch: int = flag(64, "rounds per SFT step", min=1)
     sft_lr: float = flag(1e-3, "SFT learning rate", above=0)
     sft_save_every: int = flag(500, "checkpoint every N SFT steps", min=1)
     # without probe rows the small policy cannot answer right after a context (P_full ~0)
-    sft_probe: float = flag(0.3, "probability per expert round after the first of two extra SFT rows, round context -> answer "
-                                 "known so far and prompt + <mem> -> answer held in memory, after a '<think> probe "
-                                 "</think> <answer>' marker that carries no loss: both memory-reward probes in "
-                                 "distribution (0 = none)", min=0, max=1)
+    sft_probe: float = flag(0.3, "probability per expert round after the first of two extra SFT rows, round "
+                                 "context -> answer known so far and prompt + <mem> -> answer held in memory, after "
+                                 "a '<think> probe </think> <answer>' marker that carries no loss: both memory-reward "
+                                 "probes in distribution (0 = none)", min=0, max=1)
     # warm-up steps on a pure copy task (the 3-layer model learns to copy at ~650-850)
     sft_copy_steps: int = flag(800, "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model "
                                     "to copy names)", min=0)
@@ -185,9 +185,9 @@ class Config:
     sft_copy_mix: float = flag(0.25, "after the warm-up, copy rows added to every SFT batch, as a share of --sft-batch",
                                min=0, max=1)
     sft_copy_objectives: str = flag("1-6", "objective counts K of those copy rows", int_range=True)
-    sft_fill_mix: float = flag(0.25, "after the warm-up, rows of a later round whose search found its <mem>'s next fact "
-                                    "and that fills it in, --sft-copy-objectives entries, as a share of --sft-batch",
-                                    min=0, max=1)
+    sft_fill_mix: float = flag(0.25, "after the warm-up, rows of a later round whose search found its <mem>'s next "
+                                    "fact and that fills it in, --sft-copy-objectives entries, as a share of "
+                                    "--sft-batch", min=0, max=1)
     sft_row_action: bool = flag(True, "those copy and fill rows go on past </mem> to the round's search "
                                       "(the pair before the first open slot, as the expert's round at any K)")
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
@@ -379,7 +379,8 @@ def build_samples(trajs, adv_t: torch.Tensor, adv_m: dict[tuple[int, int], float
             samples.append(Sample(last.context_ids + last.round_ids, [r.policy_span for _, r in rounds],
                                   [s for k, _ in rounds for s in mems[k]], float(adv_t[i]), i))
             continue
-        samples += [Sample(r.context_ids + r.round_ids, [r.policy_span], mems[k], float(adv_t[i]), i) for k, r in rounds]
+        samples += [Sample(r.context_ids + r.round_ids, [r.policy_span], mems[k], float(adv_t[i]), i)
+                    for k, r in rounds]
     return samples
 
 

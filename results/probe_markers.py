@@ -2,10 +2,10 @@
 
     python results/probe_markers.py --model smollm2 runs/smollm2_sft/final --data heldout/sft_trajectories.jsonl
 
-Every round after the first with a ``<mem>`` is scored as the memory reward scores a rollout's round (``reward.memory_rewards``:
-its snail context, the prompt + its ``<mem>``), and split by whether that context (or memory) holds the gold
-answers (``sft.held_answers`` on its text: all of them, or none). ``auto`` is the marker a run from the model
-resolves ``--probe-think auto`` to (``checkpoint.trained_probe_think``).
+Every round after the first with a ``<mem>`` is scored as the memory reward scores a rollout's round
+(``reward.memory_rewards``: its snail context, the prompt + its ``<mem>``), and split by whether that context (or
+memory) holds the gold answers (``sft.held_answers`` on its text: all of them, or none). ``auto`` is the marker a
+run from the model resolves ``--probe-think auto`` to (``checkpoint.trained_probe_think``).
 """
 import argparse
 import os
