@@ -174,7 +174,7 @@ def denominators(samples: list[Sample]) -> dict:
 def even_micro_batches(batches: list[list[Sample]], pad_id: int) -> list[list[Sample]]:
     """Append empty micro-batches (one row of padding, loss mask 0) until every rank has as many."""
     n = int(all_max([len(batches)])[0])
-    return batches + [[Sample([pad_id, pad_id], [])] for _ in range(n - len(batches))]
+    return batches + [[Sample(ids=[pad_id, pad_id], policy=[])] for _ in range(n - len(batches))]
 
 
 def update_module(model):

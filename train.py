@@ -376,11 +376,11 @@ def build_samples(trajs, adv_t: torch.Tensor, adv_m: dict[tuple[int, int], float
         mems = {k: [(*r.mem_span, adv_m[(i, k)])] if (i, k) in adv_m else [] for k, r in rounds}
         if one_row and rounds and grows(t.rounds):
             last = t.rounds[-1]
-            samples.append(Sample(last.context_ids + last.round_ids, [r.policy_span for _, r in rounds],
-                                  [s for k, _ in rounds for s in mems[k]], float(adv_t[i]), i))
+            samples.append(Sample(ids=last.context_ids + last.round_ids, policy=[r.policy_span for _, r in rounds],
+                                  mem=[s for k, _ in rounds for s in mems[k]], adv_t=float(adv_t[i]), traj=i))
             continue
-        samples += [Sample(r.context_ids + r.round_ids, [r.policy_span], mems[k], float(adv_t[i]), i)
-                    for k, r in rounds]
+        samples += [Sample(ids=r.context_ids + r.round_ids, policy=[r.policy_span], mem=mems[k], adv_t=float(adv_t[i]),
+                           traj=i) for k, r in rounds]
     return samples
 
 

@@ -292,7 +292,7 @@ def memtrain_step(model, ref_model, tokenizer, optimizer, cfg: MemTrainConfig, s
              answered=sum(x.answer is not None for x in trajs) / len(trajs),
              mem_closed=sum(r.mem_end > 0 for x in trajs for r in x.rounds) / sum(len(x.rounds) for x in trajs),
              kept_groups=len(set(gids[keep].tolist())), dropped_groups=n_groups - len(set(gids[keep].tolist())))
-    samples = [Sample(r.context_ids + r.round_ids, [r.policy_span], adv_t=float(adv[i]))
+    samples = [Sample(ids=r.context_ids + r.round_ids, policy=[r.policy_span], adv_t=float(adv[i]))
                for i, x in enumerate(trajs) if keep[i] for r in x.rounds if r.output_ids]
     t0 = time.time()
     if not samples or all(s.adv_t == 0 for s in samples):
