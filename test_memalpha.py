@@ -4,6 +4,7 @@ test_memalpha_data.py."""
 import copy
 import dataclasses
 import json
+import random
 import shutil
 
 import pytest
@@ -387,6 +388,52 @@ def test_answerer_only_sft_rows_are_the_answerers_rows_of_the_same_instances(cap
     with pytest.raises(SystemExit):                     # a copy phase of writer rows has nothing to copy
         memalpha.parse_args(["--sft-rows", "answerer"])
     assert "--sft-copy-steps 1200 must be 0" in capsys.readouterr().err
+
+
+def test_weak_writer_rows_teach_its_calls_in_its_own_memory_and_the_answerer_rows_stay_the_scripted(capsys):
+    tok = memalpha_data.build_memalpha_tokenizer()
+    count = lambda s: len(tok.encode(s, add_special_tokens=False))
+    rates = memalpha_data.WeakRates()
+    cfg = memalpha.MemAlphaConfig(sft_chunks="4")
+    differ = 0
+    for inst in memalpha.memalpha_instances(cfg, 11, 6, 0, 4, flaw_p=0.5):
+        scripted = memalpha.memalpha_expert_samples(tok, inst)
+        weak = memalpha.memalpha_expert_samples(tok, inst, weak=rates, rng=random.Random(2))
+        n = len(inst.chunks)
+        assert [r.ids for r in weak[n:]] == [r.ids for r in scripted[n:]]       # answerer + raw rows: the same
+        own, script, draws = StructuredMemory(512, count, seed=0), StructuredMemory(512, count, seed=0), \
+            random.Random(2)
+        for row, chunk in zip(weak[:n], inst.chunks):
+            assert row.ids[:row.n_prompt] == encode_chat(tok, writer_messages(own, chunk.text))   # its own memory
+            target = tok.decode(row.ids[row.n_prompt:], skip_special_tokens=True)
+            assert target == memalpha_data.weak_writer_calls(script, chunk, draws, rates)
+            assert all(ok for ok, _ in execute_tool_calls(own, parse_tool_calls(target)))        # valid calls
+            assert row.ids[-1] == tok.eos_token_id
+        differ += [r.ids for r in weak[:n]] != [r.ids for r in scripted[:n]]
+    assert differ == 6
+    # a batch: the same instances and picks as the scripted writer's; only the writer rows differ
+    base = memalpha.MemAlphaConfig(sft_batch=24, sft_copy_steps=1)
+    weakc = memalpha.parse_args(["--writer", "weak", "--sft-batch", "24", "--sft-copy-steps", "1"])
+    for step in (0, 1):
+        a, b = memalpha.memalpha_sft_batch(tok, weakc, step), memalpha.memalpha_sft_batch(tok, base, step)
+        is_writer = [tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True).startswith("<tool_call>") for r in b]
+        assert len(a) == len(b) == 24 and all(x.ids == y.ids for x, y, w in zip(a, b, is_writer) if not w)
+        assert any(x.ids != y.ids for x, y in zip(a, b))
+        assert [r.ids for r in memalpha.memalpha_sft_batch(tok, weakc, step)] == [r.ids for r in a]   # seed, step
+        if step == 0:                     # the copy phase: first chunks, empty memory, the weak writer's targets
+            assert all(x.ids[:x.n_prompt] == y.ids[:y.n_prompt] for x, y in zip(a, b))
+    # the rates' flags: out of range or together impossible stops in one line; set for the scripted writer, a warning
+    for argv, err in ((["--weak-keep-p", "1.5"], "error: --weak-keep-p 1.5: must be >= 0 and <= 1\n"),
+                      (["--writer", "weak", "--weak-generic-p", "0.9"], "error: --weak-merge-p 0.2: a chunk gets a "
+                       "generic or a merged entry, so --weak-generic-p + --weak-merge-p must be <= 1 "
+                       "(--weak-generic-p 0.9)\n")):
+        with pytest.raises(SystemExit):
+            memalpha.parse_args(argv)
+        assert capsys.readouterr().err == err
+    assert memalpha.parse_args(["--weak-core-p", "0.5"]).writer == "scripted"
+    assert capsys.readouterr().err == "warning: --weak-core-p 0.5: unused (the scripted writer's rows)\n"
+    assert memalpha.weak_rates(memalpha.MemAlphaConfig()) is None
+    assert memalpha.weak_rates(weakc) == rates                                   # the defaults are WeakRates'
 
 
 # --------------------------------------------------------------------------- checkpoint / resume
