@@ -330,6 +330,26 @@ def test_evaluate_memalpha_runs_all_three_methods():
         sizes.append(sum(count(x) for x in [mem.core] + [t for _, t in mem.entries("semantic") + mem.entries("episodic")]))
     assert with_ceiling["scripted"]["memory_tokens"] == sum(sizes) / 2 > 0
     assert with_ceiling["scripted"]["questions"] == n_q
+    # the reward's parts of the scripted memory: every call executes and is valid, r3 from its size, r1 its accuracy
+    script, inputs = with_ceiling["scripted"], [sum(count(c.text) for c in i.chunks) for i in insts]
+    assert (script["r2"], script["r4"]) == (1.0, 1.0)
+    assert script["r3"] == pytest.approx(sum(1 - m / n for m, n in zip(sizes, inputs)) / 2)
+    assert script["r1"] == pytest.approx(script["accuracy"])              # every instance asks as many questions
+    # what the writer kept of it: nothing (it never calls), and its core is empty
+    assert (with_ceiling["memalpha"]["entries_kept"], with_ceiling["memalpha"]["core_empty"]) == (0.0, 1.0)
+    assert "entries_kept" not in res["memalpha"] and res["memalpha"]["core_empty"] == 1.0
+
+
+def test_kept_share_counts_the_reference_entries_held_word_for_word_in_the_same_store():
+    ref, mem = StructuredMemory(), StructuredMemory()
+    for t, x in (("semantic", "kalo boss mira"), ("semantic", "lapu friend zena"), ("episodic", "on day 3 a met b")):
+        ref.insert(t, x)
+    mem.insert("semantic", "kalo  boss mira")                      # held (spacing aside)
+    mem.insert("episodic", "lapu friend zena")                     # the text, but in the other store
+    mem.insert("semantic", "report on kalo lapu")                  # not in the reference
+    mem.update("core", "latest report day 3")
+    assert memalpha_eval.kept_share(mem, ref) == pytest.approx(1 / 3)
+    assert memalpha_eval.kept_share(ref, ref) == 1.0 and memalpha_eval.kept_share(mem, StructuredMemory()) == 1.0
 
 
 def test_eval_reports_every_chunk_count_it_was_asked(tmp_path, capsys):
