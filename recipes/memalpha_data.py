@@ -26,9 +26,10 @@ facts, one generic entry). Per chunk, each draw independent, ``WeakRates``:
 
 * ``keep_p`` 0.25: each report is stored exactly as the scripted writer stores it (insert, update, delete, dated
   insert), else left out. A quarter, not a half: an SFT model imitates the share at each call, so greedy decoding
-  (the evaluation's) stops where storing the next report is less likely than stopping, and keeps almost nothing,
-  while sampling at T 0.7 keeps a varying subset, so rollouts of one instance differ in r1 by what they kept (the
-  signal the 4-part reward needs). A change whose fact was left out is stored as a new fact; an end, as nothing.
+  (the evaluation's) is expected to stop where storing the next report is less likely than stopping and keep
+  little, while sampling at T 0.7 keeps a varying subset, so rollouts of one instance differ in r1 by what they
+  kept (the signal the 4-part reward needs); ``memalpha_eval``'s ``entries_kept`` measures what the SFT writer
+  keeps. A change whose fact was left out is stored as a new fact; an end, as nothing.
 * ``generic_p`` 0.5 / ``merge_p`` 0.2: a chunk with a report left out gets, FIRST, one generic semantic entry
   naming its subjects and none of their values (``report on kalo lapu``: the paper's one generic entry; valid
   for r4, empty for r1), or one merged entry copying the left-out reports with their date (``day 5 : kalo boss
