@@ -8,7 +8,8 @@ checkpoints). MemPO's cold start (``cold_start``) feeds it:
 * ``copy_batch`` for the first ``--sft-copy-steps`` steps: a random question -> its objectives copied as
   ``<mem>`` entries (a tiny model learns to copy a name only after a long loss plateau, cheaper on short rows);
 * then ``sft_batch``: rounds of the scripted expert (``data.expert_episode``, with the BM25 tool's real
-  results) on a world drawn for the step, a few rounds per episode, the K curriculum, ``--forget-p`` of the
+  results) on a world drawn for the step (or, with ``--sft-episodes N``, from N episodes drawn once:
+  ``fixed_episodes``), a few rounds per episode, the K curriculum, ``--forget-p`` of the
   episodes with the forgetting flaw; plus probe rows (``probe_samples``, ``--sft-probe``): both contexts the
   memory reward scores -> the answers that context holds, after a ``<think> probe </think> <answer>``
   marker without loss (reward.py, choice 1); with ``--sft-copy-mix``, copy rows of ``--sft-copy-objectives``
@@ -32,6 +33,7 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -200,23 +202,55 @@ def file_batch(tokenizer, cfg, step: int, trajectories: list[dict], system_promp
     return out[: cfg.sft_batch] + probes
 
 
-def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT) -> list[Sample]:
-    """A batch of ``cfg.sft_batch`` expert rounds from a world drawn for this step only."""
+@dataclass
+class ExpertEpisode:
+    """One scripted expert episode of the fixed set: its question, whether it forgets, its rounds and results."""
+    task: data.Task
+    forget: bool
+    turns: list          # expert_turns: (round text, query, tool result)
+
+
+def fixed_episodes(cfg) -> list[ExpertEpisode]:
+    """``cfg.sft_episodes`` expert episodes drawn once from ``cfg.seed`` by a generator of their own, each on a
+    world of its own (K from ``--sft-objectives``, hops from ``--hops``, the forgetting flaw at ``--forget-p``),
+    searched once: the whole of the task's data an SFT with ``--sft-episodes N`` sees."""
+    rng = random.Random(cfg.seed * 13_000_019 + 2_718_281)
+    ks, hops = data.int_range(cfg.sft_objectives), data.int_range(cfg.hops)
+    out = []
+    for _ in range(cfg.sft_episodes):
+        world = data.make_world(rng.randrange(10**9))
+        task = data.make_task(world, rng, rng.choice(ks), (hops[0], hops[-1]))
+        forget = rng.random() < cfg.forget_p
+        out.append(ExpertEpisode(task, forget, expert_turns(task, SearchTool(world.docs), forget)))
+    return out
+
+
+def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT,
+              episodes: list[ExpertEpisode] | None = None) -> list[Sample]:
+    """A batch of ``cfg.sft_batch`` expert rounds from a world drawn for this step only, or with ``episodes``
+    (``fixed_episodes``) from the episodes of that set whose K the curriculum has reached (all of them if none)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
-    world = data.make_world(rng.randrange(10**9))
-    tool = SearchTool(world.docs)
+    world = data.make_world(rng.randrange(10**9)) if episodes is None else None
+    tool = SearchTool(world.docs) if episodes is None else None
     ks, hops = data.int_range(cfg.sft_objectives), data.int_range(cfg.hops)
     # curriculum: one objective first (short contexts, where copying is learnt), all K by 40% of steps
     ks = ks[: max(1, round(len(ks) * (step - cfg.sft_copy_steps) / (0.4 * cfg.sft_steps)))]
+    pool = None if episodes is None else [e for e in episodes if len(e.task.golds) in ks] or episodes
     out: list[Sample] = []
     probes: list[Sample] = []
     while len(out) < cfg.sft_batch:
-        task = data.make_task(world, rng, rng.choice(ks), (hops[0], hops[-1]))
-        n_rounds = len(data.expert_episode(task))                        # the same count with or without forgetting
-        picked = set(rng.sample(range(n_rounds), min(n_rounds, 4)))      # a few rounds per episode: more episodes
-        forget = rng.random() < cfg.forget_p
-        context = episode_context(cfg, rng)
-        turns = expert_turns(task, tool, forget)                         # searched once for both kinds of row
+        if pool is None:
+            task = data.make_task(world, rng, rng.choice(ks), (hops[0], hops[-1]))
+            n_rounds = len(data.expert_episode(task))                    # the same count with or without forgetting
+            picked = set(rng.sample(range(n_rounds), min(n_rounds, 4)))  # a few rounds per episode: more episodes
+            forget = rng.random() < cfg.forget_p
+            context = episode_context(cfg, rng)
+            turns = expert_turns(task, tool, forget)                     # searched once for both kinds of row
+        else:                                                            # an episode of the fixed set, searched once
+            episode = rng.choice(pool)
+            task, forget, turns = episode.task, episode.forget, episode.turns
+            picked = set(rng.sample(range(len(turns)), min(len(turns), 4)))
+            context = episode_context(cfg, rng)
         out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt, picked_rounds=picked,
                               turns=turns, context=context)
         if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay
@@ -381,12 +415,14 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
     """MemPO's SFT stage from step ``start``: copy rows, then expert + probe rows (or ``--sft-data`` rows);
     a row of metrics every 50 steps (+ ``val_f1_k2`` every 500 with ``--eval-every``), a checkpoint every
     ``--sft-save-every``, and the result in ``RUN/sft``. ``cfg``: train.Config."""
+    episodes = fixed_episodes(cfg) if cfg.sft_episodes > 0 and trajectories is None else None
+
     def batch(step: int) -> list[Sample]:
         if trajectories is not None:
             return file_batch(tokenizer, cfg, step, trajectories, system_prompt)
         if step < cfg.sft_copy_steps:
             return copy_batch(tokenizer, cfg, step, system_prompt)
-        rows = sft_batch(tokenizer, cfg, step, system_prompt)
+        rows = sft_batch(tokenizer, cfg, step, system_prompt, episodes)
         ks = data.int_range(cfg.sft_copy_objectives)
         if cfg.sft_copy_mix > 0:         # copy rows past the expert's K keep round 0 of longer questions trained
             rows += copy_batch(tokenizer, cfg, step, system_prompt, round(cfg.sft_copy_mix * cfg.sft_batch),

@@ -4,6 +4,7 @@ test_memalpha_data.py."""
 import copy
 import dataclasses
 import json
+import random
 import shutil
 
 import pytest
@@ -329,6 +330,26 @@ def test_evaluate_memalpha_runs_all_three_methods():
         sizes.append(sum(count(x) for x in [mem.core] + [t for _, t in mem.entries("semantic") + mem.entries("episodic")]))
     assert with_ceiling["scripted"]["memory_tokens"] == sum(sizes) / 2 > 0
     assert with_ceiling["scripted"]["questions"] == n_q
+    # the reward's parts of the scripted memory: every call executes and is valid, r3 from its size, r1 its accuracy
+    script, inputs = with_ceiling["scripted"], [sum(count(c.text) for c in i.chunks) for i in insts]
+    assert (script["r2"], script["r4"]) == (1.0, 1.0)
+    assert script["r3"] == pytest.approx(sum(1 - m / n for m, n in zip(sizes, inputs)) / 2)
+    assert script["r1"] == pytest.approx(script["accuracy"])              # every instance asks as many questions
+    # what the writer kept of it: nothing (it never calls), and its core is empty
+    assert (with_ceiling["memalpha"]["entries_kept"], with_ceiling["memalpha"]["core_empty"]) == (0.0, 1.0)
+    assert "entries_kept" not in res["memalpha"] and res["memalpha"]["core_empty"] == 1.0
+
+
+def test_kept_share_counts_the_reference_entries_held_word_for_word_in_the_same_store():
+    ref, mem = StructuredMemory(), StructuredMemory()
+    for t, x in (("semantic", "kalo boss mira"), ("semantic", "lapu friend zena"), ("episodic", "on day 3 a met b")):
+        ref.insert(t, x)
+    mem.insert("semantic", "kalo  boss mira")                      # held (spacing aside)
+    mem.insert("episodic", "lapu friend zena")                     # the text, but in the other store
+    mem.insert("semantic", "report on kalo lapu")                  # not in the reference
+    mem.update("core", "latest report day 3")
+    assert memalpha_eval.kept_share(mem, ref) == pytest.approx(1 / 3)
+    assert memalpha_eval.kept_share(ref, ref) == 1.0 and memalpha_eval.kept_share(mem, StructuredMemory()) == 1.0
 
 
 def test_eval_reports_every_chunk_count_it_was_asked(tmp_path, capsys):
@@ -387,6 +408,52 @@ def test_answerer_only_sft_rows_are_the_answerers_rows_of_the_same_instances(cap
     with pytest.raises(SystemExit):                     # a copy phase of writer rows has nothing to copy
         memalpha.parse_args(["--sft-rows", "answerer"])
     assert "--sft-copy-steps 1200 must be 0" in capsys.readouterr().err
+
+
+def test_weak_writer_rows_teach_its_calls_in_its_own_memory_and_the_answerer_rows_stay_the_scripted(capsys):
+    tok = memalpha_data.build_memalpha_tokenizer()
+    count = lambda s: len(tok.encode(s, add_special_tokens=False))
+    rates = memalpha_data.WeakRates()
+    cfg = memalpha.MemAlphaConfig(sft_chunks="4")
+    differ = 0
+    for inst in memalpha.memalpha_instances(cfg, 11, 6, 0, 4, flaw_p=0.5):
+        scripted = memalpha.memalpha_expert_samples(tok, inst)
+        weak = memalpha.memalpha_expert_samples(tok, inst, weak=rates, rng=random.Random(2))
+        n = len(inst.chunks)
+        assert [r.ids for r in weak[n:]] == [r.ids for r in scripted[n:]]       # answerer + raw rows: the same
+        own, script, draws = StructuredMemory(512, count, seed=0), StructuredMemory(512, count, seed=0), \
+            random.Random(2)
+        for row, chunk in zip(weak[:n], inst.chunks):
+            assert row.ids[:row.n_prompt] == encode_chat(tok, writer_messages(own, chunk.text))   # its own memory
+            target = tok.decode(row.ids[row.n_prompt:], skip_special_tokens=True)
+            assert target == memalpha_data.weak_writer_calls(script, chunk, draws, rates)
+            assert all(ok for ok, _ in execute_tool_calls(own, parse_tool_calls(target)))        # valid calls
+            assert row.ids[-1] == tok.eos_token_id
+        differ += [r.ids for r in weak[:n]] != [r.ids for r in scripted[:n]]
+    assert differ == 6
+    # a batch: the same instances and picks as the scripted writer's; only the writer rows differ
+    base = memalpha.MemAlphaConfig(sft_batch=24, sft_copy_steps=1)
+    weakc = memalpha.parse_args(["--writer", "weak", "--sft-batch", "24", "--sft-copy-steps", "1"])
+    for step in (0, 1):
+        a, b = memalpha.memalpha_sft_batch(tok, weakc, step), memalpha.memalpha_sft_batch(tok, base, step)
+        is_writer = [tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True).startswith("<tool_call>") for r in b]
+        assert len(a) == len(b) == 24 and all(x.ids == y.ids for x, y, w in zip(a, b, is_writer) if not w)
+        assert any(x.ids != y.ids for x, y in zip(a, b))
+        assert [r.ids for r in memalpha.memalpha_sft_batch(tok, weakc, step)] == [r.ids for r in a]   # seed, step
+        if step == 0:                     # the copy phase: first chunks, empty memory, the weak writer's targets
+            assert all(x.ids[:x.n_prompt] == y.ids[:y.n_prompt] for x, y in zip(a, b))
+    # the rates' flags: out of range or together impossible stops in one line; set for the scripted writer, a warning
+    for argv, err in ((["--weak-keep-p", "1.5"], "error: --weak-keep-p 1.5: must be >= 0 and <= 1\n"),
+                      (["--writer", "weak", "--weak-generic-p", "0.9"], "error: --weak-merge-p 0.2: a chunk gets a "
+                       "generic or a merged entry, so --weak-generic-p + --weak-merge-p must be <= 1 "
+                       "(--weak-generic-p 0.9)\n")):
+        with pytest.raises(SystemExit):
+            memalpha.parse_args(argv)
+        assert capsys.readouterr().err == err
+    assert memalpha.parse_args(["--weak-core-p", "0.5"]).writer == "scripted"
+    assert capsys.readouterr().err == "warning: --weak-core-p 0.5: unused (the scripted writer's rows)\n"
+    assert memalpha.weak_rates(memalpha.MemAlphaConfig()) is None
+    assert memalpha.weak_rates(weakc) == rates                                   # the defaults are WeakRates'
 
 
 # --------------------------------------------------------------------------- checkpoint / resume

@@ -104,6 +104,85 @@ def test_perfect_writer_answers_everything_and_the_flaw_fails_changes():
     assert n_q - right[True] >= n_change > 10        # the flawed writer misses at least each change question
 
 
+class Draws:
+    """A ``random.Random`` stand-in that returns the given numbers in order, and must be used up."""
+    def __init__(self, *xs: float):
+        self.xs = list(xs)
+
+    def random(self) -> float:
+        return self.xs.pop(0)
+
+
+def test_weak_writer_hand_made_chunks():
+    mem = StructuredMemory(seed=0)
+    c1 = memalpha_data.Chunk("", 4, [("fact", "kalo", "boss", "mira"), ("fact", "lapu", "friend", "zena"),
+                                     ("event", "kalo", "met", "tebo")])
+    draws = Draws(0.1, 0.9, 0.9, 0.3, 0.05)       # keep the first report only; generic (< 0.5); core (< 0.1)
+    out = memalpha_data.weak_writer_calls(mem, c1, draws)
+    assert [(c.name, c.arguments) for c in parse_tool_calls(out)] == [
+        ("new_memory_insert", {"memory_type": "semantic", "content": "report on lapu kalo"}),       # first
+        ("new_memory_insert", {"memory_type": "semantic", "content": "kalo boss mira"}),
+        ("memory_update", {"memory_type": "core", "new_content": "latest report day 4"})]
+    assert draws.xs == [] and mem.core == "latest report day 4"
+    boss = next(i for i, t in mem.entries("semantic") if t == "kalo boss mira")
+    c2 = memalpha_data.Chunk("", 6, [("change", "kalo", "boss", "pigo"), ("end", "lapu", "friend", ""),
+                                     ("fact", "zena", "rival", "fira")])
+    out = memalpha_data.weak_writer_calls(mem, c2, Draws(0.2, 0.2, 0.9, 0.6, 0.5))   # merged (0.5 <= 0.6 < 0.7)
+    assert [(c.name, c.arguments) for c in parse_tool_calls(out)] == [
+        ("new_memory_insert", {"memory_type": "semantic", "content": "day 6 : zena rival fira ."}),
+        ("memory_update", {"memory_type": "semantic", "new_content": "kalo boss pigo", "memory_id": boss})]
+    # (the end it kept had no entry to delete: lapu friend was left out on day 4)
+    c3 = memalpha_data.Chunk("", 7, [("change", "zena", "rival", "kalo"), ("fact", "lapu", "mother", "bufa"),
+                                     ("event", "kalo", "helped", "nove")])
+    out = memalpha_data.weak_writer_calls(mem, c3, Draws(0.1, 0.9, 0.9, 0.0, 0.99))
+    assert [(c.name, c.arguments) for c in parse_tool_calls(out)] == [     # "report on lapu kalo" is held already
+        ("new_memory_insert", {"memory_type": "semantic", "content": "zena rival kalo"})]   # its fact was left out
+    assert sorted(mem.stores["semantic"].values()) == ["day 6 : zena rival fira .", "kalo boss pigo",
+                                                       "report on lapu kalo", "zena rival kalo"]
+    assert mem.stores["episodic"] == {} and mem.core == "latest report day 4"
+    nothing = StructuredMemory(seed=0)             # every rate 0: no call, and still two draws a chunk past the reports
+    rates = memalpha_data.WeakRates(0, 0, 0, 0)
+    assert memalpha_data.weak_writer_calls(nothing, c1, Draws(0, 0, 0, 0, 0), rates) == ""
+    with pytest.raises(ValueError, match="generic_p \\+ merge_p <= 1"):
+        memalpha_data.WeakRates(generic_p=0.9, merge_p=0.2)
+
+
+def test_weak_writer_calls_are_valid_and_keep_a_subset_at_its_rates():
+    """Over 400 four-chunk instances at the default rates: every call executes; each fact and event is stored
+    with probability keep_p; a chunk that left one out opens with a generic entry at generic_p or a merged one
+    at merge_p; the core is written at core_p a chunk and is empty after 4 chunks at (1 - core_p)^4."""
+    rates, rng = memalpha_data.WeakRates(), random.Random(5)
+    stored = core_calls = chunks = core_empty = 0
+    firsts, reports, answered, questions = [], 0, 0, 0
+    for inst in memalpha_data.make_memalpha_instances(5, 400, seed=3):
+        mem, replay = StructuredMemory(seed=0), StructuredMemory(seed=0)
+        for c in inst.chunks:
+            calls = parse_tool_calls(memalpha_data.weak_writer_calls(mem, c, rng, rates))
+            assert all(ok for ok, _ in execute_tool_calls(replay, calls))           # valid: every call executes
+            contents = [x.arguments.get("content") for x in calls]
+            wanted = [f"{s} {r} {o}" if k == "fact" else f"on day {c.day} {s} {r} {o}"
+                      for k, s, r, o in c.reports if k in ("fact", "event")]
+            stored += sum(w in contents for w in wanted)
+            reports += len(wanted)
+            core_calls += any(x.arguments["memory_type"] == "core" for x in calls)
+            chunks += 1
+            if any(w not in contents for w in wanted):                                # something was left out
+                first = contents[0] if contents else None
+                firsts.append("generic" if first and first.startswith("report on ") else
+                              "merged" if first and first.startswith(f"day {c.day} : ") else "other")
+        assert replay.stores == mem.stores and replay.core == mem.core
+        core_empty += mem.core == ""
+        for q, gold in inst.questions:
+            answered += memalpha_data.memory_answer(answerer_messages(mem, q, 3)[1]["content"], q) == gold[0]
+            questions += 1
+    assert abs(stored / reports - rates.keep_p) < 0.03                                # a subset: a quarter
+    assert abs(core_calls / chunks - rates.core_p) < 0.03
+    assert abs(core_empty / 400 - (1 - rates.core_p) ** 4) < 0.08                     # 0.66: core mostly empty
+    assert abs(firsts.count("generic") / len(firsts) - rates.generic_p) < 0.06        # (a duplicate is not written)
+    assert abs(firsts.count("merged") / len(firsts) - rates.merge_p) < 0.04
+    assert answered / questions < 0.45           # its memory answers a third (the scripted writer's: all of them)
+
+
 def test_chunk_probes_belong_to_the_chunk_that_reported_the_answer_last():
     inst = memalpha_data.MemInstance([
         memalpha_data.Chunk("", 4, [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")]),

@@ -5,8 +5,10 @@ import random
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
+import sft
 import train
 from eval import load
 from grpo import collate, filter_groups, grouped_advantage, target_row
@@ -295,3 +297,30 @@ def test_memtrain_expert_keeps_the_masked_passage_and_answers():
     assert rounds == ["<mem> a b c | d e f </mem>",
                       "<mem> x [MASK] y | mira q </mem>",                      # 10 words > 7: a b c, d e f dropped
                       "<mem> x [MASK] y | mira q </mem> <think> answer </think> <answer> mira </answer>"]
+
+
+def test_memtrain_as_pretraining_sees_no_expert_row_and_the_scarce_sft_runs_on_its_checkpoint(tmp_path, monkeypatch):
+    """The study's order (recipes/memtrain.py, where MemTrain goes): MemTrain from a random init with --sft-steps 0
+    trains on the corpus' masked-reconstruction rows only (no call makes a row of the search agent's expert: no
+    question, no expert episode); train.py --model MT/final --stage sft --sft-episodes 2 then trains the agent on the
+    2 fixed episodes, its format last."""
+    called = []
+    for name in ("cold_start", "sft_batch", "copy_batch", "fill_batch", "fixed_episodes", "probe_samples"):
+        real = getattr(sft, name)
+        monkeypatch.setattr(sft, name, lambda *a, _n=name, _r=real, **k: called.append(_n) or _r(*a, **k))
+    monkeypatch.setattr(train, "cold_start", sft.cold_start)          # train.py holds its own name for it
+    tiny = ["--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--sft-batch", "4", "--eval-every", "0"]
+    mt = tmp_path / "mt"
+    memtrain.main(["--run", str(mt), "--sft-steps", "0", "--memtrain-warmup", "2", "--rl-steps", "0",
+                   "--max-chunks", "2"] + tiny)
+    stages = [json.loads(line)["stage"] for line in open(mt / "metrics.jsonl")]
+    assert called == [] and set(stages) == {"memtrain_warmup"}
+    train.main(["--run", str(tmp_path / "agent"), "--model", str(mt / "final"), "--stage", "sft", "--sft-episodes", "2",
+                "--sft-steps", "3", "--sft-copy-steps", "1", "--rl-steps", "0", "--sft-objectives", "1-2", "--hops",
+                "1-2"] + tiny)
+    assert called.count("cold_start") == called.count("fixed_episodes") == 1 and "sft_batch" in called
+    a = AutoModelForCausalLM.from_pretrained(mt / "final").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "agent" / "final").state_dict()
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "agent" / "final")
+    assert tok.unk_token_id not in tok.encode("[MASK] [TARGET]", add_special_tokens=False)   # MemTrain's words kept

@@ -2,6 +2,8 @@
 that show a round's <mem> past the expert's K, each going on to the round's action."""
 import random
 
+import pytest
+
 import data
 import sft
 import train
@@ -188,3 +190,59 @@ def test_file_probe_rows_answer_what_the_context_and_the_memory_hold(tmp_path):
     with_probes = sft.file_batch(tok, train.parse_args(base), 3, trajs, data.SYSTEM_PROMPT)
     without = sft.file_batch(tok, train.parse_args(base + ["--sft-probe", "0"]), 3, trajs, data.SYSTEM_PROMPT)
     assert with_probes[:8] == without and len(with_probes) > 8
+
+
+def test_sft_episodes_draws_every_expert_and_probe_row_from_n_episodes_fixed_by_the_seed(monkeypatch, capsys):
+    """--sft-episodes 3: every expert and probe row of any step is a round of one of 3 episodes drawn once from the
+    seed (the same 3 again for that seed, others for another seed); the curriculum's K = 1 steps take the K = 1
+    episodes of the set; the copy and fill rows of the cold start are those of the unlimited run."""
+    tok = data.build_tokenizer()
+    args = ["--sft-episodes", "3", "--sft-batch", "8", "--sft-objectives", "1-2", "--sft-probe", "0.5"]
+    cfg = train.parse_args(args)
+    episodes = sft.fixed_episodes(cfg)
+    assert len(episodes) == 3
+    question = lambda eps: [e.task.question for e in eps]
+    assert question(sft.fixed_episodes(train.parse_args(args))) == question(episodes)
+    assert set(question(sft.fixed_episodes(train.parse_args(args + ["--seed", "1"])))).isdisjoint(question(episodes))
+    assert len({e.task.question for e in sft.fixed_episodes(train.parse_args(args[:-4] + ["--sft-episodes", "40"]))}) \
+        == 40                                           # one world each: no two episodes alike
+    # every row the set can give: each round of each episode, as a policy row and as its two probe rows
+    possible, by_k = set(), {1: set(), 2: set()}
+    for e in episodes:
+        rows = sft.expert_samples(tok, e.task, None, e.forget, turns=e.turns) + \
+            sft.probe_samples(tok, e.task, None, e.forget, random.Random(0), 1.0, turns=e.turns)
+        possible |= {tuple(r.ids) for r in rows}
+        by_k[len(e.task.golds)] |= {tuple(r.ids) for r in rows}
+    seen = set()
+    for step in range(2000, 2030):                      # past 40% of the steps: K 1-2
+        rows = sft.sft_batch(tok, cfg, step, episodes=episodes)
+        assert {tuple(r.ids) for r in rows} <= possible and len(rows) > 8        # policy rows + probe rows
+        seen |= {tuple(r.ids) for r in rows}
+    assert all(seen & {tuple(r.ids) for r in sft.expert_samples(tok, e.task, None, e.forget, turns=e.turns)}
+               for e in episodes)                                               # each of the 3 episodes is used
+    assert by_k[1] and by_k[2]                         # the curriculum's first steps: the K = 1 episodes only
+    for step in range(800, 820):
+        assert {tuple(r.ids) for r in sft.sft_batch(tok, cfg, step, episodes=episodes)} <= by_k[1]
+    assert [r.ids for r in sft.sft_batch(tok, train.parse_args(args[2:]), 2000)] != \
+        [r.ids for r in sft.sft_batch(tok, cfg, 2000, episodes=episodes)]
+    # the cold start builds the set once and feeds it to every expert batch; its copy and fill rows are unlimited
+    built, batches = [], {}
+    real = sft.fixed_episodes
+    monkeypatch.setattr(sft, "fixed_episodes", lambda c: built.append(real(c)) or built[-1])
+    monkeypatch.setattr(sft, "save_checkpoint", lambda *a, **k: None)
+
+    def fake_run_sft(model, opt, batch, steps, lr, c, pad, on_step, desc="sft"):
+        batches[c.sft_episodes] = [[tuple(r.ids) for r in batch(s)] for s in (0, 2000)]
+    monkeypatch.setattr(sft, "run_sft", fake_run_sft)
+    for n in (3, 0):
+        sft.cold_start(None, tok, train.parse_args(args[:1] + [str(n)] + args[2:]), 0, None, "/dev/null", "/tmp")
+    assert len(built) == 1 and question(built[0]) == question(episodes)
+    extra = round(0.25 * 8) * 2                                              # --sft-copy-mix, --sft-fill-mix 0.25
+    assert batches[3][0] == batches[0][0] and batches[3][1][-extra:] == batches[0][1][-extra:]
+    assert set(batches[3][1][:-extra]) <= possible
+    # out of range: one line; set beside --sft-data, a warning
+    with pytest.raises(SystemExit):
+        train.parse_args(["--sft-episodes", "-1"])
+    assert capsys.readouterr().err == "error: --sft-episodes -1: must be >= 0\n"
+    train.parse_args(["--sft-episodes", "8", "--sft-data", "x.jsonl"])
+    assert capsys.readouterr().err.startswith("warning: --sft-episodes 8: unused with --sft-data")

@@ -170,6 +170,11 @@ class Config:
     rl_hops: str = flag("1-3", "hops per objective in RL", int_range=True)
     sft_steps: int = flag(2900, "SFT cold-start steps (embedded default only; 0 skips)", min=0)
     sft_batch: int = flag(64, "rounds per SFT step", min=1)
+    # scarce task data (MemTrain's case): the expert's episodes are the annotated data; copy and fill rows are
+    # random names without a world, the format a user writes once, so they stay unlimited
+    sft_episodes: int = flag(0, "expert episodes of the SFT: N (world, question, forgetting flaw) drawn once from "
+                                "--seed, every step's expert and probe rows sampled from them (0 = a fresh world "
+                                "every step, unlimited); the copy warm-up, copy and fill rows stay unlimited", min=0)
     sft_lr: float = flag(1e-3, "SFT learning rate", above=0)
     sft_save_every: int = flag(500, "checkpoint every N SFT steps", min=1)
     # without probe rows the small policy cannot answer right after a context (P_full ~0)
@@ -223,6 +228,9 @@ class Config:
                 if f.name in MEMPO_ONLY and getattr(self, f.name) != f.default:
                     warnings.append(f"--{f.name.replace('_', '-')} {getattr(self, f.name)}: unused with --algo grpo "
                                     f"(no memory reward)")
+        if self.sft_episodes and self.sft_data:
+            warnings.append(f"--sft-episodes {self.sft_episodes}: unused with --sft-data (the file's trajectories "
+                            f"are the episodes)")
         if self.lora_rank and self.fsdp:
             errors.append(f"--lora-rank {self.lora_rank}: not with --fsdp (LoRA under torchrun runs with DDP, the "
                           f"default)")

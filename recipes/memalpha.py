@@ -5,6 +5,10 @@
           ``writer_messages``) and answerer rows (core + BM25 top-k of each store of the writer's FINAL
           memory + question -> the answer that memory supports, ``memory_answer``). ``--flaw-p`` of the instances have
           the never-revising writer, so the cold-started writer has headroom on changed facts.
+          ``--writer weak``: the writer rows are the weak writer's (``memalpha_data.weak_writer_calls``: valid
+          calls, most facts left out, core mostly empty, ``--weak-*`` rates) on the same instances; the answerer
+          rows stay the scripted writer's, so the answerer reads memory as well as before and only the writer
+          is weak (the paper's Table 3 holds the answerer fixed; ``--answerer`` fixes it across writers).
     r1's answerer = a frozen copy of the cold-started model (or ``--answerer PATH``).
     GRPO  per step: ``--instances`` fresh instances x ``--group`` rollouts (``memalpha_rollout``), each instance
           of a chunk count drawn from ``--rl-chunks`` (``rl_chunk_counts``);
@@ -51,7 +55,7 @@ import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from tqdm import tqdm
@@ -65,9 +69,9 @@ from engine import generate
 from flags import flag
 from grpo import Sample, grouped_advantage, target_row
 from models import load_model, pick_device
-from recipes.memalpha_data import (MemInstance, build_memalpha_tokenizer, chunk_probes, chunks_answer,
+from recipes.memalpha_data import (MemInstance, WeakRates, build_memalpha_tokenizer, chunk_probes, chunks_answer,
                                    chunks_messages, long_context_chunks, make_memalpha_instances, max_chunks,
-                                   memalpha_texts, memory_answer, rag_chunks, writer_calls)
+                                   memalpha_texts, memory_answer, rag_chunks, weak_writer_calls, writer_calls)
 from recipes.memalpha_memory import (WRITER_SYSTEM, StructuredMemory, ToolCall, answerer_messages,
                                      execute_tool_calls, parse_tool_calls, writer_messages)
 from reward import em_score
@@ -108,6 +112,16 @@ class MemAlphaConfig(train.Config):
     facts_per_chunk: int = flag(2, "new facts per chunk", min=1)
     questions_per_instance: int = flag(4, "questions per instance", min=1)
     flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises", min=0, max=1)
+    # the weak writer: the Mem-alpha paper's untrained writer, for RL to teach what to keep (memalpha_data's notes)
+    writer: str = flag("scripted", "scripted (stores every fact; --flaw-p) | weak (valid calls, most facts left "
+                                   "out, core mostly empty: --weak-*): the writer SFT imitates; the answerer rows "
+                                   "are the scripted writer's either way", choices=("scripted", "weak"))
+    weak_keep_p: float = flag(WeakRates.keep_p, "weak writer: share of reports stored exactly", min=0, max=1)
+    weak_generic_p: float = flag(WeakRates.generic_p, "weak writer: share of chunks with a report left out that get "
+                                                      "one generic entry (their subjects, no values)", min=0, max=1)
+    weak_merge_p: float = flag(WeakRates.merge_p, "weak writer: share of those chunks that get one merged entry (the "
+                                                  "left-out reports with their date) instead", min=0, max=1)
+    weak_core_p: float = flag(WeakRates.core_p, "weak writer: share of chunks whose core it rewrites", min=0, max=1)
     # lr 1e-5 at T 0.7, the step Mem-alpha was measured at; 8 instances, not 4, for the same reason train.py's
     # questions went 8 -> 16: half the gradient's sampling noise (3 seeds: no RL effect at either step,
     # results/MEMALPHA.md section 9)
@@ -136,6 +150,13 @@ class MemAlphaConfig(train.Config):
         if self.sft_rows == "answerer" and self.sft_copy_steps > 0 and self.sft_steps > 0:
             errors.append(f"--sft-rows answerer trains no writer, so its copy steps have no rows: "
                           f"--sft-copy-steps {self.sft_copy_steps} must be 0")
+        if self.weak_generic_p + self.weak_merge_p > 1:
+            errors.append(f"--weak-merge-p {self.weak_merge_p}: a chunk gets a generic or a merged entry, so "
+                          f"--weak-generic-p + --weak-merge-p must be <= 1 (--weak-generic-p {self.weak_generic_p})")
+        weak = [f.name for f in fields(self) if f.name.startswith("weak_") and getattr(self, f.name) != f.default]
+        if weak and (self.writer != "weak" or self.sft_rows == "answerer"):
+            why = "the scripted writer's rows" if self.writer != "weak" else "--sft-rows answerer: no writer rows"
+            warnings += [f"--{n.replace('_', '-')} {getattr(self, n)}: unused ({why})" for n in weak]
         return errors, warnings
 
 
@@ -340,18 +361,25 @@ def rl_chunk_counts(cfg: MemAlphaConfig, step: int) -> list[int]:
 
 
 def memalpha_expert_samples(tokenizer, inst: MemInstance, k: int = 3, core_limit: int = 512,
-                            context_tokens: int = 64, writer: bool = True) -> list[Sample]:
-    """The scripted writer's rows (one per chunk; none when not ``writer``), then the answerer's rows: one per
-    question from the writer's final memory, one per question from raw chunks (``memalpha_raw_rows``)."""
+                            context_tokens: int = 64, writer: bool = True, weak: WeakRates | None = None,
+                            rng: random.Random | None = None) -> list[Sample]:
+    """The writer's rows (one per chunk; none when not ``writer``), then the answerer's rows: one per question from
+    the scripted writer's final memory, one per question from raw chunks (``memalpha_raw_rows``). The writer is the
+    scripted one, or with ``weak`` the weak writer (drawing from ``rng``) in the context of its own memory; the
+    answerer's rows read the scripted writer's memory either way."""
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
     mem = StructuredMemory(core_limit, lambda s: len(enc(s)), seed=0)     # ids as the loop draws them
+    own = mem if weak is None else StructuredMemory(core_limit, lambda s: len(enc(s)), seed=0)
     rows = []
     for chunk in inst.chunks:
         if not writer:
             writer_calls(mem, chunk, inst.flawed)
             continue
-        ctx = encode_chat(tokenizer, writer_messages(mem, chunk.text))
-        rows.append(target_row(ctx, enc(writer_calls(mem, chunk, inst.flawed)) + [tokenizer.eos_token_id]))
+        ctx = encode_chat(tokenizer, writer_messages(own, chunk.text))
+        calls = writer_calls(mem, chunk, inst.flawed)
+        if weak is not None:
+            calls = weak_writer_calls(own, chunk, rng, weak)
+        rows.append(target_row(ctx, enc(calls) + [tokenizer.eos_token_id]))
     for q, _ in inst.questions:
         msgs = answerer_messages(mem, q, k)
         ctx = encode_chat(tokenizer, msgs)
@@ -383,12 +411,23 @@ def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample
     rng = random.Random(cfg.seed * 1_000_003 + step)
     counts = chunk_counts(cfg.sft_chunks, cfg.sft_batch, cfg.seed * 3_000_017 + step)
     insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9), counts, cfg.flaw_p)
+    # the weak writer draws from a generator of its own: the instances and the rows picked are the scripted run's
+    weak = weak_rates(cfg)
+    wrng = random.Random(cfg.seed * 11_000_027 + step) if weak is not None else None
     if step < cfg.sft_copy_steps:
-        return [memalpha_expert_samples(tokenizer, MemInstance(inst.chunks[:1], []))[0] for inst in insts]
+        return [memalpha_expert_samples(tokenizer, MemInstance(inst.chunks[:1], []), weak=weak, rng=wrng)[0]
+                for inst in insts]
     rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory,
                                                                  context_tokens=cfg.context_tokens,
-                                                                 writer=cfg.sft_rows == "all")]
+                                                                 writer=cfg.sft_rows == "all", weak=weak, rng=wrng)]
     return rng.sample(rows, cfg.sft_batch)
+
+
+def weak_rates(cfg: MemAlphaConfig) -> WeakRates | None:
+    """The weak writer's rates from ``--weak-*`` with ``--writer weak``; None for the scripted writer."""
+    if cfg.writer != "weak":
+        return None
+    return WeakRates(cfg.weak_keep_p, cfg.weak_generic_p, cfg.weak_merge_p, cfg.weak_core_p)
 
 
 def step_groups(rollouts: list, per_chunk: bool = False) -> list[int]:

@@ -19,6 +19,26 @@ per event and a core rewrite ``latest report day D`` (a real, if short, summary)
 INSTANCE: per-call noise is averaged away by imitation): on a ``flaw_p`` share of
 instances it never revises, i.e. writes no update or delete, so the stale value stays and the
 change questions fail; RL has that headroom.
+
+The weak writer (``weak_writer_calls``, ``--writer weak``) teaches the tool calls and all three memory types but
+not what to keep, after the untrained writer's failures the Mem-alpha paper shows (core left empty, a subset of the
+facts, one generic entry). Per chunk, each draw independent, ``WeakRates``:
+
+* ``keep_p`` 0.25: each report is stored exactly as the scripted writer stores it (insert, update, delete, dated
+  insert), else left out. A quarter, not a half: an SFT model imitates the share at each call, so greedy decoding
+  (the evaluation's) is expected to stop where storing the next report is less likely than stopping and keep
+  little, while sampling at T 0.7 keeps a varying subset, so rollouts of one instance differ in r1 by what they
+  kept (the signal the 4-part reward needs); ``memalpha_eval``'s ``entries_kept`` measures what the SFT writer
+  keeps. A change whose fact was left out is stored as a new fact; an end, as nothing.
+* ``generic_p`` 0.5 / ``merge_p`` 0.2: a chunk with a report left out gets, FIRST, one generic semantic entry
+  naming its subjects and none of their values (``report on kalo lapu``: the paper's one generic entry; valid
+  for r4, empty for r1), or one merged entry copying the left-out reports with their date (``day 5 : kalo boss
+  mira . ...``: a semantic entry r4 judges invalid, and large for r3), else nothing. First, and the likelier of
+  the two, so it is the greedy writer's first call: storing a fact then has to beat it.
+* ``core_p`` 0.1: the core is rewritten (``latest report day D``), else left as it was: empty in 0.9^4 = 66% of
+  4-chunk instances, and a writer that imitates it never writes core greedily, while the call is taught.
+The weak writer never makes a failing call (a duplicate generic entry is not written), so its SFT writer's calls
+are valid and its memory misses most facts. ``flawed`` is the scripted writer's and is ignored here.
 ``memory_answer`` is the answerer's teacher: it reads the answer off what the answerer is shown (the
 first entry ``s r X`` in its view, ``none`` when there is none; ``day D`` from the first matching
 event, ``unknown`` when there is none), so a frozen answerer trained on it measures the memory,
@@ -65,7 +85,7 @@ from transformers import PreTrainedTokenizerFast
 from data import (CHATML_SPECIALS, CHATML_TEMPLATE, N_ENTITIES, RELATIONS, UNKNOWN, DataError, World, make_world,
                   name_pool, read_jsonl)
 from recipes.memalpha_memory import (ANSWER_SYSTEM, MEMORY_TYPES, TOOL_ARGS, TRUNCATED, WRITER_SYSTEM,
-                                     StructuredMemory, tool_call_text)
+                                     StructuredMemory, ToolCall, execute_tool_calls, tool_call_text)
 from search import bm25_tokens
 
 EVENT_VERBS = ["met", "visited", "called", "helped"]
@@ -213,6 +233,53 @@ def writer_calls(memory, chunk: Chunk, flawed: bool = False) -> str:
             else:
                 call("memory_delete", {"memory_type": "semantic", "memory_id": i})
     call("memory_update", {"memory_type": "core", "new_content": f"latest report day {chunk.day}"})
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class WeakRates:
+    """The weak writer's rates (the module's notes give each one's reason)."""
+    keep_p: float = 0.25         # a report stored exactly
+    generic_p: float = 0.5       # a chunk with a report left out: one generic entry ...
+    merge_p: float = 0.2         # ... or one merged entry (generic_p + merge_p <= 1)
+    core_p: float = 0.1          # the core rewritten
+
+    def __post_init__(self):
+        if not all(0 <= p <= 1 for p in (self.keep_p, self.generic_p, self.merge_p, self.core_p)) or \
+                self.generic_p + self.merge_p > 1:
+            raise ValueError(f"rates must lie in [0, 1] with generic_p + merge_p <= 1: {self}")
+
+
+def weak_writer_calls(memory, chunk: Chunk, rng: random.Random, rates: WeakRates = WeakRates()) -> str:
+    """The weak writer's output for ``chunk`` (tool-call text), executing each call on ``memory`` as it goes: a
+    generic or merged entry for the reports it leaves out, the reports it keeps, the core now and then. Draws
+    ``len(chunk.reports) + 2`` numbers from ``rng`` whatever the rates, so one rate leaves the others' draws alone."""
+    kept = [rng.random() < rates.keep_p for _ in chunk.reports]
+    summary, core = rng.random(), rng.random() < rates.core_p
+    out = []
+
+    def call(name: str, args: dict) -> None:
+        out.append(tool_call_text(name, args))
+        execute_tool_calls(memory, [ToolCall(name, args)])
+
+    left = [x for x, k in zip(chunk.reports, kept) if not k]
+    if left and summary < rates.generic_p + rates.merge_p:
+        text = f"report on {' '.join(dict.fromkeys(x[1] for x in left))}" if summary < rates.generic_p else \
+            f"day {chunk.day} : " + " ".join(report_text(x) for x in left)
+        if text not in memory.stores["semantic"].values():
+            call("new_memory_insert", {"memory_type": "semantic", "content": text})
+    for kind, s, r, o in (x for x, k in zip(chunk.reports, kept) if k):
+        i = next((i for i, t in memory.entries("semantic") if t.split()[:2] == [s, r]), None)
+        if kind == "event":
+            call("new_memory_insert", {"memory_type": "episodic", "content": f"on day {chunk.day} {s} {r} {o}"})
+        elif kind in ("fact", "change") and i is None:
+            call("new_memory_insert", {"memory_type": "semantic", "content": f"{s} {r} {o}"})
+        elif kind == "change":
+            call("memory_update", {"memory_type": "semantic", "new_content": f"{s} {r} {o}", "memory_id": i})
+        elif kind == "end" and i is not None:
+            call("memory_delete", {"memory_type": "semantic", "memory_id": i})
+    if core:
+        call("memory_update", {"memory_type": "core", "new_content": f"latest report day {chunk.day}"})
     return "".join(out)
 
 

@@ -6,7 +6,9 @@ and r3 per instance, r2 and r4 per chunk step), the input's chunk tokens, and th
 long-context window's budget: ``over_budget`` = the share of memories with more tokens than
 ``--context-tokens`` (a writer past it keeps more than that baseline may read); on the embedded world also
 ``scripted``: the same answerer reading the scripted (never flawed) writer's memory, the ceiling of what a
-writer can give it.
+writer can give it, with its reward parts as the writer's; and for the writer, what the weak writer's
+failures are made of (``--writer weak``): ``entries_kept``, the share of the scripted memory's entries its
+final memory holds word for word, and ``core_empty``, the share of its final memories with an empty core.
 Baselines on the same streams with the same answerer: ``long_context`` (the newest raw chunks that fit
 ``--context-tokens``) and ``rag_top2`` (BM25 top-2 raw chunks for the question). Memory tokens of a
 baseline = what it keeps: the chunks in its window, or every chunk for RAG. The embedded answerer learnt raw-chunk contexts in SFT too
@@ -34,7 +36,8 @@ from recipes.memalpha import (WriterConfig, answer_contexts, memalpha_rollout, r
                               r4_validity)
 from recipes.memalpha_data import (chunks_messages, load_memalpha, long_context_chunks, make_memalpha_instances,
                                    max_chunks, rag_chunks, writer_calls)
-from recipes.memalpha_memory import StructuredMemory, answerer_messages
+from recipes.memalpha_memory import (LIST_TYPES, StructuredMemory, answerer_messages, execute_tool_calls,
+                                     parse_tool_calls)
 from reward import em_score
 
 
@@ -48,13 +51,18 @@ def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, 
     views = {"memalpha": [], "long_context": [], "rag_top2": []} | ({"scripted": []} if scripted else {})
     kept = {m: [] for m in views}
     golds, owner = [], []                                                # owner: the instance of each question
+    ideals, script_steps = [], []          # the scripted writer's final memory and (calls, results) per instance
     for i, (r, inst) in enumerate(zip(rolls, instances)):
         texts = [c.text for c in inst.chunks]
         window = long_context_chunks(texts, count, context_tokens)
         if scripted:                   # the ceiling: the SFT teacher's memory (never flawed) read by the same answerer
             ideal = StructuredMemory(r.memory.core_limit, count, seed=0)
+            replay = StructuredMemory(r.memory.core_limit, count, seed=0)      # the same calls again, for their results
+            script_steps.append([])
             for chunk in inst.chunks:
-                writer_calls(ideal, chunk)
+                calls = parse_tool_calls(writer_calls(ideal, chunk))
+                script_steps[-1].append((calls, execute_tool_calls(replay, calls)))
+            ideals.append(ideal)
             kept["scripted"].append(ideal.n_tokens())
             views["scripted"] += [answerer_messages(ideal, q, k) for q, _ in inst.questions]
         kept["memalpha"].append(r.memory.n_tokens())
@@ -80,16 +88,31 @@ def evaluate_memalpha(writer, answerer, tokenizer, instances: list, k: int = 3, 
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
     steps = [s for r in rolls for s in r.steps]
     input_tokens = [sum(count(c.text) for c in inst.chunks) for inst in instances]
+
+    def parts(method: str, chunk_steps: list[tuple[list, list]]) -> dict:
+        """r1..r4 of a writer as training computes them: r1 and r3 per instance, r2 and r4 per chunk step."""
+        return dict(r1=mean([mean([h for h, o in zip(right[method], owner) if o == i]) for i in range(len(rolls))]),
+                    r2=mean([r2_call_success(res) for _, res in chunk_steps]),
+                    r3=mean([r3_compression(m, n) for m, n in zip(kept[method], input_tokens)]),
+                    r4=mean([r4_validity(c) for c, _ in chunk_steps]))
+
     out["memalpha"].update(tool_success=mean([ok for ok, _ in calls]), calls_per_chunk=len(calls) / len(steps),
-                           inserts_copied=mean(copied),
-                           r1=mean([mean([h for h, o in zip(right["memalpha"], owner) if o == i])
-                                    for i in range(len(rolls))]),
-                           r2=mean([r2_call_success(s.results) for s in steps]),
-                           r3=mean([r3_compression(m, n) for m, n in zip(kept["memalpha"], input_tokens)]),
-                           r4=mean([r4_validity(s.calls) for s in steps]),
+                           inserts_copied=mean(copied), **parts("memalpha", [(s.calls, s.results) for s in steps]),
                            input_tokens=mean(input_tokens),
-                           over_budget=mean([m > context_tokens for m in kept["memalpha"]]))
+                           over_budget=mean([m > context_tokens for m in kept["memalpha"]]),
+                           core_empty=mean([r.memory.core == "" for r in rolls]))
+    if scripted:
+        out["memalpha"]["entries_kept"] = mean([kept_share(r.memory, ideal) for r, ideal in zip(rolls, ideals)])
+        out["scripted"].update(parts("scripted", [s for ss in script_steps for s in ss]))
     return out
+
+
+def kept_share(memory: StructuredMemory, reference: StructuredMemory) -> float:
+    """The share of ``reference``'s semantic and episodic entries that ``memory`` holds word for word, in the same
+    store (1.0 when the reference holds none): what a writer kept of what the scripted writer keeps."""
+    want = [(t, x) for t in LIST_TYPES for _, x in reference.entries(t)]
+    have = {(t, " ".join(x.split())) for t in LIST_TYPES for _, x in memory.entries(t)}
+    return sum((t, " ".join(x.split())) in have for t, x in want) / len(want) if want else 1.0
 
 
 def main(argv=None) -> None:

@@ -22,6 +22,20 @@ checkpoint (tokenizer with [MASK] included) and starts RL from it, so MemPO / GR
 ``python -m recipes.memtrain --model SFT_RUN/final``. ``--memtrain-warmup`` SFT steps on scripted memory-agent
 rounds (``memtrain_expert_rounds``, through ``sft.run_sft``) teach a tiny model the step format first.
 
+**Where MemTrain goes: before the search agent's SFT.** One run does, in order: the search agent's SFT when it
+starts from the embedded model with ``--sft-steps`` above 0 (its expert episodes), the warm-up, MemTrain RL. As
+pre-training on the world's corpus alone (masked-reconstruction tasks and IMR: no question, no expert episode),
+from a random init, then the agent's SFT and RL on its checkpoint (``--sft-episodes N``: on N episodes):
+
+    python -m recipes.memtrain --run MT --sft-steps 0 --memtrain-warmup 3000 --rl-steps 100
+    python train.py --run A --model MT/final --stage sft --sft-episodes N       # SFT on N episodes, then RL
+
+So the agent's own SFT is the last supervised stage and sets its format: placed after that SFT, the warm-up's
+memory-agent rounds overwrote the tiny model's search agent and RL did not bring it back (results/MEMTRAIN.md,
+the first run); placed before it, the format held (valid 1.00) but entities were misread after an SFT of
+unlimited episodes (results/MEMTRAIN.md, past the horizon). The paper claims its gain where the task's data is
+scarce, which ``--sft-episodes`` sets up.
+
 **The memory agent.** MemAgent-style overwrite memory in MemPO's format, so the skill transfers to the
 search agent. Step t (one per chunk) sees
 
