@@ -134,7 +134,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     share = dist.my_questions(len(tasks))
     agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                         temperature=1.0)
-    trajs = train.rollout_share(model, tok, tasks[share.start:share.stop], share.start, cfg, 3, tool, agent)
+    trajs = train.sample_rollouts(model, tok, tasks[share.start:share.stop], share.start, cfg, 3, tool, agent)
     res["rollouts"] = [(t.group_id, t.question, [r.round_ids for r in t.rounds]) for t in trajs]
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     tdist.destroy_process_group()
@@ -189,7 +189,7 @@ def test_two_ranks_update_and_rollouts_equal_one_process(tmp_path):
     def alone(rank: int, share: range) -> list:
         dist.DIST = dist.Dist(rank=rank, world=2)         # only the seed reads it: no process group
         try:
-            trajs = train.rollout_share(tiny_model(tok).eval(), tok, tasks[share.start:share.stop], share.start, cfg,
+            trajs = train.sample_rollouts(tiny_model(tok).eval(), tok, tasks[share.start:share.stop], share.start, cfg,
                                         3, tool, agent)
         finally:
             dist.DIST = dist.Dist()
@@ -273,11 +273,11 @@ def test_torchrun_two_ranks_killed_then_resumed_with_one(tmp_path):
     assert 2 <= done < 30
     # the same run stopped cleanly at that step: 2 ranks for its first steps, then 1 process
     full = tmp_path / "full"
-    subprocess.run(torchrun + ["--run-dir", str(full)] + RUN_ARGS + ["--rl-steps", str(done)], cwd=HERE, env=env,
-                   check=True, capture_output=True)
-    for run in (full, killed):
-        subprocess.run([sys.executable, "train.py", "--run", str(run), "--resume"] + RUN_ARGS, cwd=HERE, env=env,
-                       check=True, capture_output=True)
+    runs = [torchrun + ["--run-dir", str(full)] + RUN_ARGS + ["--rl-steps", str(done)]]
+    runs += [[sys.executable, "train.py", "--run", str(run), "--resume"] + RUN_ARGS for run in (full, killed)]
+    for cmd in runs:
+        out = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, f"{' '.join(cmd[-12:])} -> {out.returncode}\n{out.stderr[-3000:]}"
     a, b = metrics(full / "metrics.jsonl"), metrics(killed / "metrics.jsonl")
     assert sorted(a) == sorted(b) == [("rl", s) for s in range(30)]
     for key in a:                                 # both: 2 ranks before step `done`, 1 process from it
