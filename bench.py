@@ -375,7 +375,7 @@ def bench_train_step(model, tok, device, steps: int) -> dict:
         tasks, tool = train.rl_tasks(cfg, 0)
         trajs = rollout.rollout(model, tok, tasks, cfg.group, tool, agent, torch.Generator(device).manual_seed(0))
         adv = torch.tensor([(-1.0) ** i for i in range(len(trajs))])
-        samples = train.build_samples(trajs, adv, None, None)
+        samples = train.build_samples(trajs, adv, {})
         t0 = time.perf_counter()
         train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
         sync(device)
@@ -390,7 +390,7 @@ def bench_train_step(model, tok, device, steps: int) -> dict:
 
 def bench_padding(trajs, cfg: train.Config) -> dict:
     """Figure 6: padding fraction of the update forward, unsorted vs ``grpo.micro_batches``."""
-    samples = train.build_samples(trajs, torch.zeros(len(trajs)), None, None)
+    samples = train.build_samples(trajs, torch.zeros(len(trajs)), {})
     after = grpo.micro_batches(samples, cfg.micro_tokens)
     size = -(-len(samples) // len(after))                     # same number of micro-batches, unsorted
     before = [samples[i:i + size] for i in range(0, len(samples), size)]
