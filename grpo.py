@@ -105,7 +105,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     ``low_var_kl`` (k3) exp(d) - d - 1, d = ref_logp - logp clamped to [-20, 20] and the result to [-10, 10],
     added to every token's loss (times ``kl_coef``) before aggregation. ``agg``: ``token-mean`` (verl's default),
     ``seq-mean-token-mean`` (the paper's Eq. 10) or ``seq-mean-token-sum``. A *sequence* is a trajectory, which
-    the trainer stores as several rows (one per round): ``seq_tokens[b]`` is the policy-token count of the
+    the trainer may store as several rows (a snail round a row): ``seq_tokens[b]`` is the policy-token count of the
     trajectory row b belongs to and ``n_seqs`` the number of trajectories (default: every row its own sequence).
     The denominators (``n_tokens``, ``n_seqs``, ``seq_tokens``) are the WHOLE batch's: a caller that splits it
     into micro-batches passes the full batch's counts, so the micro-batch losses sum to the full-batch loss
