@@ -205,7 +205,7 @@ class Config:
     tokenizer: str = flag("word", "embedded world tokenizer: word | bpe (byte-level BPE, tags and names several "
                                   "tokens)", choices=("word", "bpe"))
     hidden: int = flag(128, "hidden size of the tiny embedded model", min=1)
-    # 3 thin layers, not 2 wide ones: see README (copying names from memory)
+    # 3 thin layers, not 2 wide ones: 2 layers overwrote names copied from memory (results/STUDIES.md, the SFT)
     layers: int = flag(3, "layers of the tiny embedded model", min=1)
     heads: int = flag(8, "attention heads of the tiny embedded model", min=1)
     ffn: int = flag(256, "MLP width of the tiny embedded model", min=1)

@@ -407,7 +407,7 @@ def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample
     During the first ``cfg.sft_copy_steps`` steps only the FIRST chunk's writer row of each instance
     (empty memory: the shortest prompt) is used: the tiny model must first learn to copy names from the
     chunk into JSON, and a measured 300-step cold start on all rows wrote one constant memory whatever
-    the chunk said (see the README's Mem-alpha section)."""
+    the chunk said (results/MEMALPHA.md, section 1)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     counts = chunk_counts(cfg.sft_chunks, cfg.sft_batch, cfg.seed * 3_000_017 + step)
     insts = memalpha_instances(cfg, rng.randrange(10**9), cfg.sft_batch, rng.randrange(10**9), counts, cfg.flaw_p)
