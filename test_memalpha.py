@@ -442,6 +442,13 @@ def test_weak_writer_rows_teach_its_calls_in_its_own_memory_and_the_answerer_row
         assert [r.ids for r in memalpha.memalpha_sft_batch(tok, weakc, step)] == [r.ids for r in a]   # seed, step
         if step == 0:                     # the copy phase: first chunks, empty memory, the weak writer's targets
             assert all(x.ids[:x.n_prompt] == y.ids[:y.n_prompt] for x, y in zip(a, b))
+    # --weak-copy scripted: the copy warm-up is the scripted writer's batch, the steps after it the weak writer's
+    weak_sc = memalpha.parse_args(["--writer", "weak", "--weak-copy", "scripted", "--sft-batch", "24",
+                                   "--sft-copy-steps", "1"])
+    assert [r.ids for r in memalpha.memalpha_sft_batch(tok, weak_sc, 0)] == \
+        [r.ids for r in memalpha.memalpha_sft_batch(tok, base, 0)]
+    assert [r.ids for r in memalpha.memalpha_sft_batch(tok, weak_sc, 1)] == \
+        [r.ids for r in memalpha.memalpha_sft_batch(tok, weakc, 1)]
     # the rates' flags: out of range or together impossible stops in one line; set for the scripted writer, a warning
     for argv, err in ((["--weak-keep-p", "1.5"], "error: --weak-keep-p 1.5: must be >= 0 and <= 1\n"),
                       (["--writer", "weak", "--weak-generic-p", "0.9"], "error: --weak-merge-p 0.2: a chunk gets a "

@@ -122,6 +122,10 @@ class MemAlphaConfig(train.Config):
     weak_merge_p: float = flag(WeakRates.merge_p, "weak writer: share of those chunks that get one merged entry (the "
                                                   "left-out reports with their date) instead", min=0, max=1)
     weak_core_p: float = flag(WeakRates.core_p, "weak writer: share of chunks whose core it rewrites", min=0, max=1)
+    # a tiny model learns to copy names from the copy warm-up's rows, which the weak writer mostly leaves empty
+    weak_copy: str = flag("weak", "weak writer: whose rows the copy warm-up imitates: weak (its own) | scripted "
+                                  "(learn to copy first, then the weak rows teach what not to keep)",
+                          choices=("weak", "scripted"))
     # lr 1e-5 at T 0.7, the step Mem-alpha was measured at; 8 instances, not 4, for the same reason train.py's
     # questions went 8 -> 16: half the gradient's sampling noise (3 seeds: no RL effect at either step,
     # results/MEMALPHA.md section 9)
@@ -415,7 +419,8 @@ def memalpha_sft_batch(tokenizer, cfg: MemAlphaConfig, step: int) -> list[Sample
     weak = weak_rates(cfg)
     wrng = random.Random(cfg.seed * 11_000_027 + step) if weak is not None else None
     if step < cfg.sft_copy_steps:
-        return [memalpha_expert_samples(tokenizer, MemInstance(inst.chunks[:1], []), weak=weak, rng=wrng)[0]
+        copy = weak if cfg.weak_copy == "weak" else None
+        return [memalpha_expert_samples(tokenizer, MemInstance(inst.chunks[:1], []), weak=copy, rng=wrng)[0]
                 for inst in insts]
     rows = [r for inst in insts for r in memalpha_expert_samples(tokenizer, inst, cfg.top_k_memory,
                                                                  context_tokens=cfg.context_tokens,
