@@ -230,8 +230,10 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
     """A batch of ``cfg.sft_batch`` expert rounds from a world drawn for this step only, or with ``episodes``
     (``fixed_episodes``) from the episodes of that set whose K the curriculum has reached (all of them if none)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
-    world = data.make_world(rng.randrange(10**9)) if episodes is None else None
-    tool = SearchTool(world.docs) if episodes is None else None
+    world = tool = None                                                  # a fixed set was searched when drawn
+    if episodes is None:
+        world = data.make_world(rng.randrange(10**9))
+        tool = SearchTool(world.docs)
     ks, hops = data.int_range(cfg.sft_objectives), data.int_range(cfg.hops)
     # curriculum: one objective first (short contexts, where copying is learnt), all K by 40% of steps
     ks = ks[: max(1, round(len(ks) * (step - cfg.sft_copy_steps) / (0.4 * cfg.sft_steps)))]

@@ -380,9 +380,8 @@ def memalpha_expert_samples(tokenizer, inst: MemInstance, k: int = 3, core_limit
             writer_calls(mem, chunk, inst.flawed)
             continue
         ctx = encode_chat(tokenizer, writer_messages(own, chunk.text))
-        calls = writer_calls(mem, chunk, inst.flawed)
-        if weak is not None:
-            calls = weak_writer_calls(own, chunk, rng, weak)
+        scripted = writer_calls(mem, chunk, inst.flawed)       # run either way: the answerer rows read its memory
+        calls = scripted if weak is None else weak_writer_calls(own, chunk, rng, weak)
         rows.append(target_row(ctx, enc(calls) + [tokenizer.eos_token_id]))
     for q, _ in inst.questions:
         msgs = answerer_messages(mem, q, k)
