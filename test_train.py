@@ -123,7 +123,7 @@ def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
         trajs = rollout.rollout(model.eval(), tok, tasks, 4, SearchTool(world.docs), agent)
         gids = torch.tensor([t.group_id for t in trajs])
         adv_t = grpo.grouped_advantage(torch.tensor([outcome_reward(t)["score"] for t in trajs]), gids)
-        _, adv_m = train.memory_advantages(model, tok, trajs, cfg)
+        _, adv_m = train.memory_advantages(model, tok, trajs, cfg, [outcome_reward(t)["em"] == 1 for t in trajs])
         samples = train.build_samples(trajs, adv_t, adv_m)
         if any(s.adv_t != 0 or s.mem for s in samples):
             break
@@ -498,7 +498,7 @@ def spy_on(monkeypatch, names: list[str]) -> dict:
 
 
 WIRES = ["rollout", "grouped_advantage", "memory_rewards", "memory_advantage", "pooled_memory_advantage",
-         "ppo_update", "collate", "policy_loss"]
+         "right_only_advantage", "ppo_update", "collate", "policy_loss"]
 
 
 def nested(mem: dict, values, n: int) -> list[list[float]]:
@@ -583,6 +583,32 @@ def test_rl_step_hands_mem_mask_weight_and_floor_to_the_reward_the_pool_and_the_
         assert torch.allclose(p["advantages"], want_adv), (p["advantages"] - want_adv).abs().max()
         on_mem += int(((x["mem_adv"] != 0) & (x["loss_mask"] > 0)).sum())
     assert on_mem > 0, "no sampled token carries a memory advantage: the weight is untested"
+
+
+def test_mem_adv_on_right_pays_only_the_rounds_of_trajectories_whose_outcome_is_right(sft_run, monkeypatch):
+    """--mem-adv-on right: the pool gets each scored round's trajectory's EM (every objective right), and A_M is
+    the paper's pool over the right trajectories' rounds of each question (by hand), 0 on every other round. The
+    fixture's policy gets no K=2 question wholly right, so every other trajectory's outcome is marked right."""
+    marked = []
+
+    def every_other_right(t):
+        marked.append(len(marked) % 2 == 0)
+        return reward.outcome_reward(t) | {"em": float(marked[-1])}
+    monkeypatch.setattr(train, "outcome_reward", every_other_right)
+    cfg, calls, trajs, samples = spied_rl_step(sft_run, monkeypatch, ["--mem-adv-on", "right"])
+    (_, mem), = calls["memory_rewards"]
+    (args, a_m), = calls["right_only_advantage"]
+    em = marked
+    assert args["right"] == [em[i] for i, _ in mem["scored"]] and (args["norm"], args["std_floor"]) == ("std", 0.0)
+    assert "memory_advantage" not in calls
+    rewards = nested(mem, mem["reward"], len(trajs))
+    wrong_paid = [r for i, rs in enumerate(rewards) if not em[i] for r in rs if r != 0]
+    right_pool = [sum(len(rewards[i]) for i in range(3 * q, 3 * q + 3) if em[i]) for q in (0, 1)]
+    assert wrong_paid and max(right_pool) >= 2, f"no wrong round with a reward or no right pool: {rewards} {em}"
+    kept = [rs if em[i] else [] for i, rs in enumerate(rewards)]
+    want = [w if em[i] else [0.0] * len(rewards[i]) for i, w in enumerate(pooled_by_hand(kept, [0, 0, 0, 1, 1, 1]))]
+    assert all(a == pytest.approx(w, abs=1e-5) for a, w in zip(nested(mem, a_m, len(trajs)), want))
+    assert any(a != 0 for s in samples for _, _, a in s.mem), "no right round with a memory advantage"
 
 
 def test_an_rl_step_in_full_context_trains_each_growing_trajectory_as_one_row(sft_run, monkeypatch):

@@ -8,7 +8,7 @@ import torch
 
 from grpo import memory_advantage
 from rollout import Round, Trajectory
-from variants import memory_pool_weights, outcome_scores, pooled_memory_advantage
+from variants import memory_pool_weights, outcome_scores, pooled_memory_advantage, right_only_advantage
 
 
 def _close(a, b, tol=1e-4):
@@ -46,6 +46,18 @@ def test_norm_nonzero_leaves_zero_rewards_out_with_advantage_0():
     _close(pooled_memory_advantage([0.0, 0.0, 0.3], [0, 0, 0], [1, 1, 2], norm="nonzero"), [0.0, 0.0, 0.0])
     with pytest.raises(ValueError, match="unknown norm"):
         pooled_memory_advantage([0.1], [0], [1], norm="rounds")
+
+
+def test_right_only_pools_the_rounds_of_right_trajectories_and_gives_the_others_0():
+    # question 0's right rounds {0.2, 0.4, 0.0}: mean 0.2, std 0.2; its wrong round (0.9) is neither in the pool
+    # nor paid; question 1's one right round is a pool of one (0), its wrong one 0
+    rewards, questions, rounds = [0.2, 0.4, 0.9, 0.0, 0.6, -0.5], [0, 0, 0, 0, 1, 1], [1, 2, 1, 3, 1, 2]
+    right = [True, True, False, True, True, False]
+    _close(right_only_advantage(rewards, questions, rounds, right), [0.0, 1.0, 0.0, -1.0, 0.0, 0.0])
+    # with every trajectory right it is the pool it is given; with none, all 0
+    assert right_only_advantage(rewards, questions, rounds, [True] * 6, "nonzero") == \
+        pooled_memory_advantage(rewards, questions, rounds, "nonzero")
+    assert right_only_advantage(rewards, questions, rounds, [False] * 6) == [0.0] * 6
 
 
 def test_std_floor_bounds_a_pool_of_tiny_spread():

@@ -45,7 +45,7 @@ from reward import MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, outcome_rew
 from rollout import AgentConfig, checkpoint_prompt, rollout
 from search import SearchTool, open_search
 from sft import cold_start, held_out_f1
-from variants import outcome_scores, pooled_memory_advantage
+from variants import outcome_scores, pooled_memory_advantage, right_only_advantage
 
 
 @dataclass
@@ -162,6 +162,9 @@ class Config:
                                     "rewards left out)", choices=("std", "none", "round", "nonzero"))
     mem_std_floor: float = flag(0.0, "divide each memory pool by max(its std, this) (0 = the paper's pool: a pool "
                                      "whose rewards differ by a hair gets unit-variance advantages)", min=0)
+    mem_adv_on: str = flag("all", "rounds that get a memory advantage: all (the paper's) | right (only those of "
+                                  "trajectories whose outcome is right, pooled among themselves)",
+                           choices=("all", "right"))
 
     # the expert's K and the two past it: a K RL never samples is where its updates break a memory write unseen;
     # every hop count (RL on 1-2 hops taught 3-hop questions to answer after 2 hops)
@@ -241,7 +244,7 @@ class Config:
 
 
 # the memory reward's flags: --algo grpo reads none of them
-MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_floor", "probe_think")
+MEMPO_ONLY = ("threshold", "mem_mask", "mem_adv_norm", "mem_weight", "mem_std_floor", "mem_adv_on", "probe_think")
 
 
 def parse_args(argv=None, config=Config):
@@ -310,7 +313,8 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         scores = outcome_scores(outs, trajs, cfg.outcome)            # the paper's share unless --outcome says
         question = torch.tensor([t.group_id for t in trajs])
         adv_t = grouped_advantage(torch.tensor(scores), question, norm_by_std=cfg.outcome_norm == "std")
-        mem, adv_m = memory_advantages(model, tokenizer, trajs, cfg) if cfg.algo == "mempo" else (None, {})
+        right = [o["em"] == 1 for o in outs]                          # every objective right
+        mem, adv_m = memory_advantages(model, tokenizer, trajs, cfg, right) if cfg.algo == "mempo" else (None, {})
         m["sec_reward"] = time.time() - t0
 
     outs = [o | {"score": x} for o, x in zip(outs, scores)]
@@ -349,15 +353,19 @@ def sample_rollouts(model, tokenizer, tasks: list, q0: int, cfg: Config, step: i
     return trajs
 
 
-def memory_advantages(model, tokenizer, trajs: list, cfg: Config) -> tuple[dict, dict]:
+def memory_advantages(model, tokenizer, trajs: list, cfg: Config, right: list[bool]) -> tuple[dict, dict]:
     """MemPO's memory reward of every round after the first whose ``<mem>`` closed (``reward.memory_rewards``) and
     its advantage A_M, keyed by (trajectory, round): the paper's pool over the question's rounds, or
-    ``--mem-adv-norm`` / ``--mem-std-floor``'s (variants.py)."""
+    ``--mem-adv-norm`` / ``--mem-std-floor`` / ``--mem-adv-on``'s (variants.py; ``right[i]``: is trajectory i's
+    outcome right)."""
     with autocast(cfg.precision, model.device):
         mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
                              think=cfg.probe_think)
     question = [trajs[i].group_id for i, _ in mem["scored"]]
-    if cfg.mem_adv_norm == "std" and cfg.mem_std_floor == 0:
+    if cfg.mem_adv_on == "right":
+        adv = right_only_advantage(mem["reward"], question, [t for _, t in mem["scored"]],
+                                   [right[i] for i, _ in mem["scored"]], cfg.mem_adv_norm, cfg.mem_std_floor)
+    elif cfg.mem_adv_norm == "std" and cfg.mem_std_floor == 0:
         adv = memory_advantage(torch.tensor(mem["reward"], dtype=torch.float64), torch.tensor(question)).tolist()
     else:
         adv = pooled_memory_advantage(mem["reward"], question, [t for _, t in mem["scored"]], cfg.mem_adv_norm,

@@ -6,6 +6,9 @@
   ``nonzero`` leaves zero rewards (usually both probes silent: no signal) out of the pool, with advantage 0;
   ``std_floor`` > 0 divides by max(std, floor), so a pool whose rewards differ by a hair gets advantages of that
   hair's size, not unit variance.
+* Which rounds get a memory advantage (``--mem-adv-on``). The paper's, ``all``: every scored round. ``right``: only
+  the rounds of trajectories whose outcome is right (all K objectives), pooled among themselves; a memory before
+  a wrong answer (an early one, a slot filled from a dropped entry) is neither paid nor pushed down.
 * The outcome score the advantage ranks (``--outcome``). The paper's, ``share``, is objectives right / K. Here:
   ``all`` is 1 only when all K are right; ``searched`` is the share, but 0 for an answer given after fewer searches
   than the question has hops (the embedded world's questions; elsewhere the share).
@@ -56,6 +59,19 @@ def pooled_memory_advantage(rewards: list[float], question_ids: list[int], round
             normed = [(v - mean) / (std + eps) for v in pool]
         for j, a in zip(members, normed):
             out[j] = a
+    return out
+
+
+def right_only_advantage(rewards: list[float], question_ids: list[int], round_ids: list[int], right: list[bool],
+                         norm: str = "std", std_floor: float = 0.0) -> list[float]:
+    """A_M under ``--mem-adv-on right``: the rounds whose trajectory's outcome is right (``right``, one bool per
+    scored round) pooled as ``pooled_memory_advantage`` pools them, without the others; every other round gets 0."""
+    keep = [j for j, r in enumerate(right) if r]
+    kept = pooled_memory_advantage([rewards[j] for j in keep], [question_ids[j] for j in keep],
+                                   [round_ids[j] for j in keep], norm, std_floor)
+    out = [0.0] * len(rewards)
+    for j, a in zip(keep, kept):
+        out[j] = a
     return out
 
 
