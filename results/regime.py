@@ -8,9 +8,11 @@ as written by
 
 and prints markdown: each arm's mean +- 95% t half-width over the seeds present (F1, EM, early, retention 3+ rounds
 ago, peak tokens of a round), then MemPO - GRPO (and each RL arm - SFT) paired by seed at K = 2, over K = 3-4 and over
-K = 2-4 (the mean of the K's F1), with each seed's value.
+K = 2-4 (the mean of the K's F1), with each seed's value. ``--arms`` adds MemPO variants (files named by the arm, e.g.
+``eval_right_s0_snail.txt``), each paired against GRPO, MemPO and the SFT.
 
     python results/regime.py --runs /path/to/runs --seeds 0 1 2 3 4
+    python results/regime.py --runs /path/to/runs --seeds 0 1 2 --arms sft grpo mempo right nonzero w05
 """
 from __future__ import annotations
 
@@ -54,21 +56,24 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", required=True, help="folder of the eval_*.txt files")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--arms", nargs="+", default=list(ARMS), help="sft first; grpo and mempo are the baselines")
     a = p.parse_args(argv)
+    pairs = [(x, y) for x in a.arms for y in ("mempo", "grpo", "sft") if x != y and y in a.arms
+             and (x, y) != ("grpo", "mempo") and not (x == "sft")]
     for context in ("snail", "full"):
-        res = {arm: {s: load(a.runs, arm, s, context) for s in a.seeds} for arm in ARMS}
+        res = {arm: {s: load(a.runs, arm, s, context) for s in a.seeds} for arm in a.arms}
         ks = sorted({int(k) for r in res["sft"].values() if r for k in r}, key=int)
         print(f"\n### {context} context: mean +- 95% t half-width over seeds (n = seeds present)\n")
         print("| arm | metric | " + " | ".join(f"K={k}" for k in ks) + " |")
         print("|---|---|" + "---|" * len(ks))
-        for arm in ARMS:
+        for arm in a.arms:
             present = {s: r for s, r in res[arm].items() if r}
             for metric in ("f1", "em", "early", "retention_3plus", "pt"):
                 cells = [fmt([r[str(k)].get(metric, float("nan")) for r in present.values() if str(k) in r])
                          for k in ks]
                 print(f"| {arm} (n={len(present)}) | {metric} | " + " | ".join(cells) + " |")
         print(f"\n{context}: paired by SFT seed (seeds with both arms), mean +- 95% t half-width; each seed's value\n")
-        for x, y in (("mempo", "grpo"), ("mempo", "sft"), ("grpo", "sft")):
+        for x, y in pairs:
             seeds = [s for s in a.seeds if res[x][s] and res[y][s]]
             if not seeds:
                 continue
