@@ -498,7 +498,7 @@ def spy_on(monkeypatch, names: list[str]) -> dict:
 
 
 WIRES = ["rollout", "grouped_advantage", "memory_rewards", "memory_advantage", "pooled_memory_advantage",
-         "right_only_advantage", "ppo_update", "collate", "policy_loss"]
+         "ppo_update", "collate", "policy_loss"]
 
 
 def nested(mem: dict, values, n: int) -> list[list[float]]:
@@ -586,7 +586,7 @@ def test_rl_step_hands_mem_mask_weight_and_floor_to_the_reward_the_pool_and_the_
 
 
 def test_mem_adv_on_right_pays_only_the_rounds_of_trajectories_whose_outcome_is_right(sft_run, monkeypatch):
-    """--mem-adv-on right: the pool gets each scored round's trajectory's EM (every objective right), and A_M is
+    """--mem-adv-on right: the pool keeps each scored round whose trajectory's EM is 1 (every objective right); A_M is
     the paper's pool over the right trajectories' rounds of each question (by hand), 0 on every other round. The
     fixture's policy gets no K=2 question wholly right, so every other trajectory's outcome is marked right."""
     marked = []
@@ -597,9 +597,9 @@ def test_mem_adv_on_right_pays_only_the_rounds_of_trajectories_whose_outcome_is_
     monkeypatch.setattr(train, "outcome_reward", every_other_right)
     cfg, calls, trajs, samples = spied_rl_step(sft_run, monkeypatch, ["--mem-adv-on", "right"])
     (_, mem), = calls["memory_rewards"]
-    (args, a_m), = calls["right_only_advantage"]
+    (args, a_m), = calls["pooled_memory_advantage"]
     em = marked
-    assert args["right"] == [em[i] for i, _ in mem["scored"]] and (args["norm"], args["std_floor"]) == ("std", 0.0)
+    assert args["keep"] == [em[i] for i, _ in mem["scored"]] and (args["norm"], args["std_floor"]) == ("std", 0.0)
     assert "memory_advantage" not in calls
     rewards = nested(mem, mem["reward"], len(trajs))
     wrong_paid = [r for i, rs in enumerate(rewards) if not em[i] for r in rs if r != 0]

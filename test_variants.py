@@ -8,7 +8,7 @@ import torch
 
 from grpo import memory_advantage
 from rollout import Round, Trajectory
-from variants import memory_pool_weights, outcome_scores, pooled_memory_advantage, right_only_advantage
+from variants import memory_pool_weights, outcome_scores, pooled_memory_advantage
 
 
 def _close(a, b, tol=1e-4):
@@ -48,16 +48,17 @@ def test_norm_nonzero_leaves_zero_rewards_out_with_advantage_0():
         pooled_memory_advantage([0.1], [0], [1], norm="rounds")
 
 
-def test_right_only_pools_the_rounds_of_right_trajectories_and_gives_the_others_0():
-    # question 0's right rounds {0.2, 0.4, 0.0}: mean 0.2, std 0.2; its wrong round (0.9) is neither in the pool
-    # nor paid; question 1's one right round is a pool of one (0), its wrong one 0
+def test_keep_pools_only_the_kept_rounds_and_gives_the_others_0():
+    # --mem-adv-on right keeps the rounds of right trajectories. Question 0's kept rounds {0.2, 0.4, 0.0}: mean 0.2,
+    # std 0.2; its left-out round (0.9) is neither in the pool nor paid; question 1's one kept round is a pool of
+    # one (0), its left-out one 0
     rewards, questions, rounds = [0.2, 0.4, 0.9, 0.0, 0.6, -0.5], [0, 0, 0, 0, 1, 1], [1, 2, 1, 3, 1, 2]
     right = [True, True, False, True, True, False]
-    _close(right_only_advantage(rewards, questions, rounds, right), [0.0, 1.0, 0.0, -1.0, 0.0, 0.0])
-    # with every trajectory right it is the pool it is given; with none, all 0
-    assert right_only_advantage(rewards, questions, rounds, [True] * 6, "nonzero") == \
+    _close(pooled_memory_advantage(rewards, questions, rounds, keep=right), [0.0, 1.0, 0.0, -1.0, 0.0, 0.0])
+    # with every round kept it is the pool without keep; with none, all 0
+    assert pooled_memory_advantage(rewards, questions, rounds, "nonzero", keep=[True] * 6) == \
         pooled_memory_advantage(rewards, questions, rounds, "nonzero")
-    assert right_only_advantage(rewards, questions, rounds, [False] * 6) == [0.0] * 6
+    assert pooled_memory_advantage(rewards, questions, rounds, keep=[False] * 6) == [0.0] * 6
 
 
 def test_std_floor_bounds_a_pool_of_tiny_spread():

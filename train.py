@@ -45,7 +45,7 @@ from reward import MEM_MASK, PROBE_THINK, THRESHOLD, memory_rewards, outcome_rew
 from rollout import AgentConfig, checkpoint_prompt, rollout
 from search import SearchTool, open_search
 from sft import cold_start, held_out_f1
-from variants import outcome_scores, pooled_memory_advantage, right_only_advantage
+from variants import outcome_scores, pooled_memory_advantage
 
 
 @dataclass
@@ -362,14 +362,12 @@ def memory_advantages(model, tokenizer, trajs: list, cfg: Config, right: list[bo
         mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
                              think=cfg.probe_think)
     question = [trajs[i].group_id for i, _ in mem["scored"]]
-    if cfg.mem_adv_on == "right":
-        adv = right_only_advantage(mem["reward"], question, [t for _, t in mem["scored"]],
-                                   [right[i] for i, _ in mem["scored"]], cfg.mem_adv_norm, cfg.mem_std_floor)
-    elif cfg.mem_adv_norm == "std" and cfg.mem_std_floor == 0:
+    if cfg.mem_adv_norm == "std" and cfg.mem_std_floor == 0 and cfg.mem_adv_on == "all":
         adv = memory_advantage(torch.tensor(mem["reward"], dtype=torch.float64), torch.tensor(question)).tolist()
     else:
+        keep = [right[i] for i, _ in mem["scored"]] if cfg.mem_adv_on == "right" else None
         adv = pooled_memory_advantage(mem["reward"], question, [t for _, t in mem["scored"]], cfg.mem_adv_norm,
-                                      cfg.mem_std_floor)
+                                      cfg.mem_std_floor, keep)
     return mem, dict(zip(mem["scored"], adv))
 
 

@@ -29,25 +29,27 @@ def _unbiased_std(values: list[float]) -> float:
     return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
 
 
-def memory_pools(rewards: list[float], question_ids: list[int], round_ids: list[int], norm: str) -> list[list[int]]:
+def memory_pools(rewards: list[float], question_ids: list[int], round_ids: list[int], norm: str,
+                 keep: list[bool] | None = None) -> list[list[int]]:
     """Who competes with whom under ``norm``: the pools, as lists of positions in ``rewards`` (one per scored
-    round; ``round_ids`` is each one's round index t)."""
+    round; ``round_ids`` is each one's round index t). A round whose ``keep`` is False is in no pool."""
     if norm not in NORMS:
         raise ValueError(f"unknown norm {norm!r}")
     pools: dict[tuple, list[int]] = {}
     for j, (r, q, t) in enumerate(zip(rewards, question_ids, round_ids)):
-        if norm == "nonzero" and r == 0:
+        if norm == "nonzero" and r == 0 or keep is not None and not keep[j]:
             continue
         pools.setdefault((q, t) if norm == "round" else (q,), []).append(j)
     return list(pools.values())
 
 
 def pooled_memory_advantage(rewards: list[float], question_ids: list[int], round_ids: list[int], norm: str = "std",
-                            std_floor: float = 0.0, eps: float = 1e-6) -> list[float]:
-    """A_M of each scored round under the pool ``norm`` and ``std_floor`` (module docstring); a pool of one gets 0.
-    ``norm="std"`` with no floor is the paper's pool (``grpo.memory_advantage``)."""
+                            std_floor: float = 0.0, keep: list[bool] | None = None, eps: float = 1e-6) -> list[float]:
+    """A_M of each scored round under the pool ``norm`` and ``std_floor`` (module docstring); a pool of one gets 0,
+    and so does a round ``keep`` leaves out (``--mem-adv-on right``: keep the rounds of right trajectories).
+    ``norm="std"`` with no floor or keep is the paper's pool (``grpo.memory_advantage``)."""
     out = [0.0] * len(rewards)
-    for members in memory_pools(rewards, question_ids, round_ids, norm):
+    for members in memory_pools(rewards, question_ids, round_ids, norm, keep):
         pool = [rewards[j] for j in members]
         mean = sum(pool) / len(pool)
         if norm == "none":
@@ -59,19 +61,6 @@ def pooled_memory_advantage(rewards: list[float], question_ids: list[int], round
             normed = [(v - mean) / (std + eps) for v in pool]
         for j, a in zip(members, normed):
             out[j] = a
-    return out
-
-
-def right_only_advantage(rewards: list[float], question_ids: list[int], round_ids: list[int], right: list[bool],
-                         norm: str = "std", std_floor: float = 0.0) -> list[float]:
-    """A_M under ``--mem-adv-on right``: the rounds whose trajectory's outcome is right (``right``, one bool per
-    scored round) pooled as ``pooled_memory_advantage`` pools them, without the others; every other round gets 0."""
-    keep = [j for j, r in enumerate(right) if r]
-    kept = pooled_memory_advantage([rewards[j] for j in keep], [question_ids[j] for j in keep],
-                                   [round_ids[j] for j in keep], norm, std_floor)
-    out = [0.0] * len(rewards)
-    for j, a in zip(keep, kept):
-        out[j] = a
     return out
 
 

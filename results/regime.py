@@ -58,8 +58,8 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--arms", nargs="+", default=list(ARMS), help="sft first; grpo and mempo are the baselines")
     a = p.parse_args(argv)
-    pairs = [(x, y) for x in a.arms for y in ("mempo", "grpo", "sft") if x != y and y in a.arms
-             and (x, y) != ("grpo", "mempo") and not (x == "sft")]
+    rank = lambda arm: ARMS.index(arm) if arm in ARMS else len(ARMS)      # a variant ranks above MemPO
+    pairs = [(x, y) for x in a.arms for y in reversed(ARMS) if y in a.arms and rank(y) < rank(x)]
     for context in ("snail", "full"):
         res = {arm: {s: load(a.runs, arm, s, context) for s in a.seeds} for arm in a.arms}
         ks = sorted({int(k) for r in res["sft"].values() if r for k in r}, key=int)
