@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import inspect
 import os
 from dataclasses import dataclass
@@ -101,6 +102,9 @@ def close() -> None:
     """End the process group (torchrun), once every rank is done; nothing otherwise."""
     if DIST.active:
         all_sum([0.0])
+        # DDP's reducer holds the group: freed at interpreter exit instead, gloo's threads can abort the process
+        DIST.ddp = None
+        gc.collect()
         tdist.destroy_process_group()
 
 
