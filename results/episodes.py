@@ -18,21 +18,26 @@ Three counts per file, for episodes of the multi-objective questions (``--object
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from data import SLOT, parse_mem  # noqa: E402  (the memory's entries as the evaluator reads them)
+
 
 def episodes(text: str) -> list[dict]:
-    """Each shown episode: its question's objectives, its EM, and the memory of each round (objective -> tokens)."""
+    """Each shown episode: its question's objectives, its EM, and the memory of each round (objective index ->
+    tokens, ``data.parse_mem``)."""
     out = []
     for block in text.split("== trajectory ")[1:]:
         question = re.search(r"question: (.*)", block).group(1)
-        objectives = {m.group(1): m.group(2).split() for m in re.finditer(r"(\d+) : ([^?]*)\?", question)}
+        objectives = {int(m.group(1)) - 1: m.group(2).split() for m in re.finditer(r"(\d+) : ([^?]*)\?", question)}
         memories = []
         for part in re.split(r"-- round \d+", block)[1:]:
             found = re.search(r"memory : (.*?)\n  think", part, re.S)
-            memory = " ".join(found.group(1).split()) if found else ""
-            memories.append({m.group(1): m.group(2).split() for m in re.finditer(r"(\d+) = ([^;]*)", memory)})
+            memories.append(parse_mem(" ".join(found.group(1).split()) if found else ""))
         out.append({"objectives": objectives, "em": int(re.search(r"em (\d)", block).group(1)),
                     "answered": "answer: None" not in block, "memories": memories})
     return out
@@ -45,24 +50,23 @@ def short_first_memory(eps: list[dict]) -> tuple[int, int]:
     return len(short), sum(e["em"] == 0 for e in short)
 
 
-def copy_fidelity(eps: list[dict]) -> dict[str, float]:
-    """Shares of the filled entity slots (every second token after the first entity) kept, rewritten, dropped."""
+def slot_changes(episode: dict) -> tuple[int, int, int]:
+    """(kept, rewritten, dropped): what each next `<mem>` does with the entity slots (every second token after the
+    first entity) the one before it had filled."""
     kept = rewritten = dropped = 0
-    for e in eps:
-        for before, after in zip(e["memories"], e["memories"][1:]):
-            for k, toks in before.items():
-                nxt = after.get(k, [])
-                for i in range(2, len(toks), 2):
-                    if toks[i] == "_":
-                        continue
-                    if i < len(nxt) and nxt[i] == toks[i]:
-                        kept += 1
-                    elif i < len(nxt) and nxt[i] != "_":
-                        rewritten += 1
-                    else:
-                        dropped += 1
-    n = max(kept + rewritten + dropped, 1)
-    return {"slots": kept + rewritten + dropped, "kept": kept / n, "rewritten": rewritten / n, "dropped": dropped / n}
+    for before, after in zip(episode["memories"], episode["memories"][1:]):
+        for k, toks in before.items():
+            nxt = after.get(k, [])
+            for i in range(2, len(toks), 2):
+                if toks[i] == SLOT:
+                    continue
+                if i < len(nxt) and nxt[i] == toks[i]:
+                    kept += 1
+                elif i < len(nxt) and nxt[i] != SLOT:
+                    rewritten += 1
+                else:
+                    dropped += 1
+    return kept, rewritten, dropped
 
 
 def main(paths: list[str]) -> None:
@@ -72,11 +76,13 @@ def main(paths: list[str]) -> None:
     for path in paths:
         eps = episodes(open(path).read())
         short, short_wrong = short_first_memory(eps)
-        rewrites = [e for e in eps if copy_fidelity([e])["rewritten"] > 0]
-        c = copy_fidelity(eps)
+        changes = [slot_changes(e) for e in eps]
+        rewrites = [e for e, (_, rewritten, _) in zip(eps, changes) if rewritten]
+        kept, rewritten, dropped = (sum(c[i] for c in changes) for i in range(3))
+        n = max(kept + rewritten + dropped, 1)
         print(f"| {path} | {len(eps)} | {sum(e['em'] == 0 for e in eps)} | {sum(not e['answered'] for e in eps)} | "
               f"{short} ({short_wrong}) | {len(rewrites)} ({sum(e['em'] == 0 for e in rewrites)}) | "
-              f"{c['kept']:.3f} / {c['rewritten']:.3f} / {c['dropped']:.3f} of {c['slots']} |")
+              f"{kept / n:.3f} / {rewritten / n:.3f} / {dropped / n:.3f} of {kept + rewritten + dropped} |")
 
 
 if __name__ == "__main__":
