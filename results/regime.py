@@ -30,8 +30,12 @@ SPANS = {"K=2": (2,), "K=3-4": (3, 4), "K=2-4": (2, 3, 4)}
 
 
 def load(runs: str, arm: str, seed: int, context: str) -> dict | None:
+    """The per-K results of ``RUNS/eval_{arm}_s{seed}_{context}.txt`` (see ``read``)."""
+    return read(os.path.join(runs, f"eval_{arm}_s{seed}_{context}.txt"))
+
+
+def read(path: str) -> dict | None:
     """The per-K results of one evaluation, or None when its file is missing or holds no JSON line."""
-    path = os.path.join(runs, f"eval_{arm}_s{seed}_{context}.txt")
     if not os.path.exists(path):
         return None
     lines = [line for line in open(path) if line.startswith("{")]

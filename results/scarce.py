@@ -15,30 +15,11 @@ with each seed's value.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from eval import mean_ci  # noqa: E402  (the evaluator's 95% t-interval)
+from regime import fmt, read  # the regime study's reader and its mean +- 95% t half-width
 
 REACHED = 0.1      # a K counts as reached when the plain arm's mean F1 over seeds is above this
-
-
-def load(path: str) -> dict | None:
-    """The per-K results of one evaluation, or None when its file is missing or holds no JSON line."""
-    if not os.path.exists(path):
-        return None
-    lines = [line for line in open(path) if line.startswith("{")]
-    return json.loads(lines[-1])["results"] if lines else None
-
-
-def fmt(xs: list[float]) -> str:
-    if not xs:
-        return "-"
-    m, h = mean_ci(xs)
-    return f"{m:.3f} +- {h:.3f}" if len(xs) > 1 else f"{m:.3f}"
 
 
 def main(argv=None) -> None:
@@ -48,7 +29,7 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     a = p.parse_args(argv)
     for stage, suffix in (("after RL (final)", ""), ("the SFT checkpoint", "_sft")):
-        res = {arm: {s: load(os.path.join(a.runs, f"eval_{arm}{a.n}_s{s}{suffix}.txt")) for s in a.seeds}
+        res = {arm: {s: read(os.path.join(a.runs, f"eval_{arm}{a.n}_s{s}{suffix}.txt")) for s in a.seeds}
                for arm in ("plain", "mt")}
         seeds = [s for s in a.seeds if res["plain"][s] and res["mt"][s]]
         if not seeds:
