@@ -118,7 +118,8 @@ def main(paths: list[str]) -> None:
         rewrites = [e for e, (_, rewritten, _) in zip(eps, changes) if rewritten]
         kept, rewritten, dropped = (sum(c[i] for c in changes) for i in range(3))
         n = max(kept + rewritten + dropped, 1)
-        reads = [sum(r[i] for r in map(slot_reads, eps)) for i in range(4)]
+        each = [slot_reads(e) for e in eps]
+        reads = [sum(r[i] for r in each) for i in range(4)]
         filled = max(sum(reads), 1)
         print(f"| {path} | {len(eps)} | {sum(e['em'] == 0 for e in eps)} | {sum(not e['answered'] for e in eps)} | "
               f"{short} ({short_wrong}) | {len(rewrites)} ({sum(e['em'] == 0 for e in rewrites)}) | "
