@@ -158,7 +158,9 @@ def test_loop_batched_equals_each_instance_alone_and_contexts_are_fresh():
 
 def test_one_memalpha_step_changes_weights():
     tok = bpe()
-    cfg = memalpha.MemAlphaConfig(questions_per_instance=2, instances=1, group=4, max_new_tokens=192)
+    # the paper's reward (beta 0.05), sampled at T 0.7 so the overfit writer's 4 rollouts differ
+    cfg = memalpha.MemAlphaConfig(questions_per_instance=2, instances=1, group=4, max_new_tokens=192, beta=0.05,
+                                  temperature=0.7)
     inst = memalpha.memalpha_instances(cfg, 11, 1, 0, 2)
     rows = memalpha.memalpha_expert_samples(tok, inst[0])[:2]          # the writer's two chunk rows
     assert tok.decode(rows[0].ids[rows[0].n_prompt:], skip_special_tokens=True).startswith("<tool_call>{")
@@ -188,8 +190,9 @@ def test_step_groups_per_instance_or_per_instance_and_chunk():
 @pytest.mark.parametrize("r1", ["rollout", "chunk"])
 def test_equal_rewards_give_no_update(r1):
     tok = bpe()
-    cfg = memalpha.MemAlphaConfig(questions_per_instance=2, instances=1, group=2, max_new_tokens=8, r1=r1)
+    cfg = memalpha.MemAlphaConfig(questions_per_instance=2, instances=1, group=2, max_new_tokens=8, r1=r1, beta=0.05)
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)   # never writes a call
+    # every rollout leaves memory empty: r1 = r2 = r4 = 0 and r3 = 1, so each reward is beta
     before = copy.deepcopy(model.state_dict())
     m = memalpha.memalpha_step(model, model, tok, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg, 0,
                             instances=memalpha.memalpha_instances(cfg, 11, 1, 0, 2))
@@ -432,8 +435,9 @@ def test_weak_writer_rows_teach_its_calls_in_its_own_memory_and_the_answerer_row
         differ += [r.ids for r in weak[:n]] != [r.ids for r in scripted[:n]]
     assert differ == 6
     # a batch: the same instances and picks as the scripted writer's; only the writer rows differ
-    base = memalpha.MemAlphaConfig(sft_batch=24, sft_copy_steps=1)
-    weakc = memalpha.parse_args(["--writer", "weak", "--sft-batch", "24", "--sft-copy-steps", "1"])
+    base = memalpha.MemAlphaConfig(writer="scripted", sft_batch=24, sft_copy_steps=1)
+    weakc = memalpha.parse_args(["--writer", "weak", "--weak-copy", "weak", "--sft-batch", "24",
+                                 "--sft-copy-steps", "1"])
     for step in (0, 1):
         a, b = memalpha.memalpha_sft_batch(tok, weakc, step), memalpha.memalpha_sft_batch(tok, base, step)
         is_writer = [tok.decode(r.ids[r.n_prompt:], skip_special_tokens=True).startswith("<tool_call>") for r in b]
@@ -457,9 +461,10 @@ def test_weak_writer_rows_teach_its_calls_in_its_own_memory_and_the_answerer_row
         with pytest.raises(SystemExit):
             memalpha.parse_args(argv)
         assert capsys.readouterr().err == err
-    assert memalpha.parse_args(["--weak-core-p", "0.5"]).writer == "scripted"
+    assert memalpha.parse_args(["--writer", "scripted", "--weak-core-p", "0.5"]).writer == "scripted"
     assert capsys.readouterr().err == "warning: --weak-core-p 0.5: unused (the scripted writer's rows)\n"
-    assert memalpha.weak_rates(memalpha.MemAlphaConfig()) is None
+    assert memalpha.weak_rates(memalpha.MemAlphaConfig(writer="scripted")) is None
+    assert memalpha.weak_rates(memalpha.MemAlphaConfig()) == rates              # the default writer is the weak one
     assert memalpha.weak_rates(weakc) == rates                                   # the defaults are WeakRates'
 
 

@@ -5,10 +5,11 @@
           ``writer_messages``) and answerer rows (core + BM25 top-k of each store of the writer's FINAL
           memory + question -> the answer that memory supports, ``memory_answer``). ``--flaw-p`` of the instances have
           the never-revising writer, so the cold-started writer has headroom on changed facts.
-          ``--writer weak``: the writer rows are the weak writer's (``memalpha_data.weak_writer_calls``: valid
-          calls, most facts left out, core mostly empty, ``--weak-*`` rates) on the same instances; the answerer
-          rows stay the scripted writer's, so the answerer reads memory as well as before and only the writer
-          is weak (the paper's Table 3 holds the answerer fixed; ``--answerer`` fixes it across writers).
+          ``--writer weak`` (the default): the writer rows are the weak writer's
+          (``memalpha_data.weak_writer_calls``: valid calls, most facts left out, core mostly empty, ``--weak-*``
+          rates) on the same instances; the answerer rows stay the scripted writer's, so the answerer reads memory
+          as well as before and only the writer is weak (the paper's Table 3 holds the answerer fixed;
+          ``--answerer`` fixes it across writers).
     r1's answerer = a frozen copy of the cold-started model (or ``--answerer PATH``).
     GRPO  per step: ``--instances`` fresh instances x ``--group`` rollouts (``memalpha_rollout``), each instance
           of a chunk count drawn from ``--rl-chunks`` (``rl_chunk_counts``);
@@ -24,6 +25,11 @@ first-chunk writer rows only: the copy plateau (loss ~0.4-0.48) ended at step ~3
 on seed 1 (seeds 1 and 2 had not left it at step 500), hence 1200 of 2200 SFT steps. Every SFT
 step draws a new world (the name pool is shared), so held-out worlds test generalisation to new facts;
 the generation ends at EOS (``<|im_end|>``) or ``--max-new-tokens``; no KL by default (the paper uses none).
+
+The default start is the paper's Table 3 one, a writer RL can teach what to keep: ``--writer weak`` with
+``--weak-copy scripted`` (it learns to copy names from the scripted writer's first chunks, then keeps about a quarter
+of the reports and leaves core empty), then 80 GRPO steps sampled at T 0.4 with beta 0. ``--writer scripted`` is the
+cold start that stores every fact, from which GRPO makes the calls valid, not the memory better.
 
     python -m recipes.memalpha --run runs/memalpha          # then: python -m recipes.memalpha_eval --checkpoint runs/memalpha
 
@@ -93,7 +99,7 @@ class MemAlphaConfig(train.Config):
     sft_batch: int = flag(32, "rows per SFT step", min=1)
     sft_rows: str = flag("all", "all | answerer: only the answerer's rows, an SFT of r1's judge alone (for "
                                 "--answerer; with --sft-copy-steps 0)", choices=("all", "answerer"))
-    rl_steps: int = flag(40, "GRPO steps (0 skips)", min=0)
+    rl_steps: int = flag(80, "GRPO steps (0 skips)", min=0)     # a writer that keeps a quarter has more to learn
     max_new_tokens: int = flag(192, "max tokens the writer generates per chunk", min=1)
     micro_tokens: int = flag(4096, "token budget of one update micro-batch", min=1)
     mem_weight: float = flag(0.0, "unused: no <mem> spans in Mem-alpha (ppo_update reads it)", min=0)
@@ -113,7 +119,9 @@ class MemAlphaConfig(train.Config):
     questions_per_instance: int = flag(4, "questions per instance", min=1)
     flaw_p: float = flag(0.5, "share of SFT instances whose writer never revises", min=0, max=1)
     # the weak writer: the Mem-alpha paper's untrained writer, for RL to teach what to keep (memalpha_data's notes)
-    writer: str = flag("scripted", "scripted (stores every fact; --flaw-p) | weak (valid calls, most facts left "
+    # weak by default: the paper's Table 3 start, where its RL has something to teach; over 12 seeds RL from it
+    # gains at 4 chunks with an interval above 0, from the scripted start nothing (results/MEMALPHA.md 9, 13e)
+    writer: str = flag("weak", "scripted (stores every fact; --flaw-p) | weak (valid calls, most facts left "
                                    "out, core mostly empty: --weak-*): the writer SFT imitates; the answerer rows "
                                    "are the scripted writer's either way", choices=("scripted", "weak"))
     weak_keep_p: float = flag(WeakRates.keep_p, "weak writer: share of reports stored exactly", min=0, max=1)
@@ -123,13 +131,17 @@ class MemAlphaConfig(train.Config):
                                                   "left-out reports with their date) instead", min=0, max=1)
     weak_core_p: float = flag(WeakRates.core_p, "weak writer: share of chunks whose core it rewrites", min=0, max=1)
     # a tiny model learns to copy names from the copy warm-up's rows, which the weak writer mostly leaves empty
-    weak_copy: str = flag("weak", "weak writer: whose rows the copy warm-up imitates: weak (its own) | scripted "
+    weak_copy: str = flag("scripted", "weak writer: whose rows the copy warm-up imitates: weak (its own) | scripted "
                                   "(learn to copy first, then the weak rows teach what not to keep)",
                           choices=("weak", "scripted"))
-    # lr 1e-5 at T 0.7, the step Mem-alpha was measured at; 8 instances, not 4, for the same reason train.py's
+    # lr 1e-5, the step Mem-alpha was measured at (T 0.7, then 0.4); 8 instances, not 4, for the same reason train.py's
     # questions went 8 -> 16: half the gradient's sampling noise (3 seeds: no RL effect at either step,
     # results/MEMALPHA.md section 9)
     lr: float = flag(1e-5, "GRPO learning rate", above=0)
+    # T 0.4, not train.py's 0.7: at 0.7 the tiny weak writer's samples stop copying (sampled r1 0.055 against greedy
+    # 0.227), so a group's rollouts hardly differ in content and RL emptied the memory (results/MEMALPHA.md 13b-c)
+    temperature: float = flag(0.4, "sampling temperature of training rollouts (also divides logits in the loss)",
+                              above=0)
     instances: int = flag(8, "instances per GRPO step", min=1)
     top_k_memory: int = flag(3, "BM25 top-k of each store for r1", min=1)
     context_tokens: int = flag(64, "long-context baseline's chunk-token window (its SFT answerer rows use it)", min=1)
@@ -139,7 +151,9 @@ class MemAlphaConfig(train.Config):
                               "advantages grouped per instance (the paper's) | chunk: chunk t's r1 is the accuracy "
                               "on the questions whose answer chunk t reported last, advantages grouped per "
                               "(instance, chunk)", choices=("rollout", "chunk"))
-    beta: float = flag(0.05, "weight of r3 (compression)", min=0)
+    # 0, not the paper's 0.05: where a group's r1 hardly varies, beta r3 pulls it toward an empty memory (at T 0.4
+    # 1 run of 12 collapsed with it, none of 12 without; the gains over 12 seeds do not separate: MEMALPHA.md 13e)
+    beta: float = flag(0.0, "weight of r3 (compression; the paper's 0.05)", min=0)
     gamma: float = flag(0.1, "weight of r4 (content validity)", min=0)
     ckpt_every: int = flag(100, "steps (SFT or GRPO) between checkpoints in RUN/ckpt (0: only when SFT ends)", min=0)
 
