@@ -13,9 +13,14 @@ a run from it probes as its SFT taught.
   ``PATH.tmp`` or ``PATH.old``. Data order depends only on ``(seed, step)``, so ``--resume`` continues a
   killed run with the same batches.
 * ``resume`` (every recipe's one resume path) puts the first intact one of ``RUN/ckpt``, ``ckpt.tmp``,
-  ``ckpt.old`` in place as ``RUN/ckpt`` (a damaged file is one line naming it), loads ``trainer.pt`` and drops
-  the metrics rows a killed run logged after its checkpoint: they are logged again, so a resumed run's
-  metrics.jsonl holds each step once.
+  ``ckpt.old`` in place as ``RUN/ckpt`` (a damaged file is one line naming it), loads ``trainer.pt`` as data
+  (``weights_only``: a pickled object that could run code is refused in one line) and drops the metrics rows a
+  killed run logged after its checkpoint: they are logged again, so a resumed run's metrics.jsonl holds each
+  step once. A run with no checkpoint yet starts from step 0, so the same ``--resume`` command can be repeated
+  by a scheduler from the first instant on.
+* Every write of a run (checkpoint, ``final/``, ``ref/``, metrics, config, a viz page, an exported file) goes
+  through ``writing``: a full disk is one line naming the file and the newest intact checkpoint, and what it
+  replaces is written whole beside it first (``.tmp``, then renamed), so nothing complete is lost.
 * The KL reference is the policy RL started from, saved once as ``RUN/ref`` when RL starts and loaded
   from there by every run, fresh or resumed: a resumed run pulls towards the same policy as an
   uninterrupted one (a copy of the current model would be the step-s checkpoint).
@@ -30,14 +35,18 @@ a run from it probes as its SFT taught.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import pickle
+import re
 import shutil
 import sys
 import zipfile
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dist
@@ -47,17 +56,20 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_
                     probe_think: str = "") -> None:
     """A checkpoint no kill loses: written whole to ``path.tmp``, every file flushed to disk, ``complete.json``
     written last (``mark_complete``), then ``path`` -> ``path.old``, ``path.tmp`` -> ``path`` and ``path.old``
-    removed; ``resume`` finds whichever complete one a kill left. Torchrun: every rank calls it (FSDP2 gathers
-    the full state), rank 0 writes."""
+    removed; ``resume`` finds whichever complete one a kill left. A write that fails (a full disk) removes the
+    partial ``path.tmp`` and stops the run in one line naming the intact ``path`` (``writing``). The trainer
+    state is tensors, numbers and strings only, so ``resume`` reads it as data (``load_trainer``). Torchrun:
+    every rank calls it (FSDP2 gathers the full state), rank 0 writes."""
     model_sd, optimizer_sd = dist.full_state(model, optimizer)
     if dist.DIST.rank != 0:
         return
     tmp, old = path + ".tmp", path + ".old"
     discard(tmp)
-    save_model(tmp, model, tokenizer, system_prompt, model_sd, probe_think)
-    torch.save({"optimizer": optimizer_sd, "state": state,
-                "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer.pt"))
-    mark_complete(tmp, state)
+    with writing(tmp, os.path.dirname(path), cleanup=lambda: discard(tmp)):    # a full disk: the last copy stays
+        save_model(tmp, model, tokenizer, system_prompt, model_sd, probe_think)
+        torch.save({"optimizer": optimizer_sd, "state": state,
+                    "torch_rng": torch.get_rng_state()}, os.path.join(tmp, "trainer.pt"))
+        mark_complete(tmp, state)
     discard(old)
     if os.path.exists(path):
         os.replace(path, old)
@@ -108,6 +120,49 @@ def discard(folder: str) -> None:
     except FileNotFoundError:
         pass
     shutil.rmtree(folder, ignore_errors=True)
+
+
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)   # open() / write(); torch.save; safetensors
+
+
+@contextlib.contextmanager
+def writing(path: str, run: str = "", cleanup=None):
+    """Write ``path`` (a file or a folder) inside this block: a write that fails (a full disk, a quota, an I/O
+    error) ends the run with one line naming ``path`` and, for a ``run``, its newest intact checkpoint, never a
+    traceback; ``cleanup()`` first removes what was half written. torch.save says "unexpected pos" and safetensors
+    "I/O error" where open() says ENOSPC, so the disk itself is asked whether it is full."""
+    try:
+        yield
+    except WRITE_ERRORS as e:
+        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e) \
+            or free_bytes(path) < 2**20
+        line = f"error: could not write {path}: {'no space left on device' if full else _first_line(e)}"
+        if cleanup is not None:
+            cleanup()
+        raise SystemExit(line + (f"; {intact_checkpoint(run)}" if run else "")) from None
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def intact_checkpoint(run: str) -> str:
+    """Where ``run`` stands for ``--resume``, in words: its newest intact checkpoint and step, or none yet."""
+    ckpt = os.path.join(run, "ckpt")
+    for folder in (os.path.join(run, c) for c in CANDIDATES):
+        if os.path.isdir(folder) and checkpoint_damage(folder, need_marker=folder != ckpt) is None:
+            try:
+                with open(os.path.join(folder, COMPLETE)) as f:
+                    state = json.load(f)["state"]
+                at = f" ({state['stage']} step {state['step']})"
+            except (OSError, ValueError, KeyError, TypeError):
+                at = ""
+            return f"the newest intact checkpoint is {folder}{at}: free space, then rerun with --resume"
+    return f"{run} has no intact checkpoint yet: rerun with --resume to start it again from step 0"
 
 
 def _first_line(e: Exception) -> str:
@@ -173,6 +228,20 @@ def save_model(path: str, model, tokenizer, system_prompt: str, state_dict: dict
 PROBE_FILE = "probe_think.txt"
 
 
+def save_final(run: str, model, tokenizer, system_prompt: str, state_dict: dict | None = None,
+               probe_think: str = "") -> str:
+    """``RUN/final`` (``save_model``), written whole to ``final.tmp`` and then renamed: a folder named ``final``
+    is always complete; a full disk is one line (``writing``). Rank 0 only; returns the path."""
+    path = os.path.join(run, "final")
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with writing(path, run, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
+        save_model(tmp, model, tokenizer, system_prompt, state_dict, probe_think)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    return path
+
+
 def run_config(checkpoint: str) -> dict:
     """The RUN/config.json of the run that wrote ``checkpoint`` (a run folder or a folder inside one: ``final``,
     ``ckpt``, ``sft``); {} for a checkpoint without one (e.g. a hub model)."""
@@ -202,8 +271,14 @@ def log_jsonl(path: str, row: dict) -> None:
     """Append ``row`` to the metrics file (rank 0), and its numbers to every ``--report-to`` logger."""
     if dist.DIST.rank != 0:       # torchrun: rank 0 writes the (already reduced) metrics
         return
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    with writing(path, os.path.dirname(path)), open(path, "a") as f:
+        size = f.tell()
+        try:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+        except OSError:
+            f.truncate(size)      # no half row left behind: a full disk, then --resume, reads every row
+            raise
     for log, _ in REPORTERS:
         log(row)
 
@@ -263,9 +338,27 @@ def truncate_metrics(path: str, state: dict) -> None:
         return
     order = lambda stage: STAGE_ORDER.get(stage, 2)
     keep = lambda row: (order(row["stage"]), row["step"]) < (order(state["stage"]), state["step"])
-    rows = [ln for ln in open(path) if ln.strip() and keep(json.loads(ln))]
-    with open(path, "w") as f:
-        f.writelines(rows)
+    rows = [ln for ln in open(path) if whole_row(ln) and keep(json.loads(ln))]
+    replace_file(path, "".join(rows), os.path.dirname(path))
+
+
+def whole_row(line: str) -> bool:
+    """A metrics line that is a whole JSON row (a kill in the middle of an append leaves a torn last line)."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def replace_file(path: str, text: str, run: str = "") -> None:
+    """Write ``text`` to ``path.tmp``, then rename it over ``path``: a full disk leaves the old file whole."""
+    tmp = path + ".tmp"
+    with writing(path, run, cleanup=lambda: os.path.exists(tmp) and os.remove(tmp)):
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 CANDIDATES = ("ckpt", "ckpt.tmp", "ckpt.old")   # where a kill may have left a run's newest checkpoint, in order
@@ -273,13 +366,15 @@ CANDIDATES = ("ckpt", "ckpt.tmp", "ckpt.old")   # where a kill may have left a r
 
 def resume(run: str) -> dict | None:
     """The trainer state (``optimizer``, ``state`` = stage + step, ``torch_rng``) of the run's newest intact
-    checkpoint, with the metrics rows logged after it dropped; None when there is none (``check_run`` refuses that
-    first).
+    checkpoint, with the metrics rows logged after it dropped; None, saying so in one line, when the run has no
+    checkpoint yet: it starts again from step 0, so a scheduler can repeat the same ``--resume`` command from the
+    first instant of a run on (verl's ``resume_mode=auto``, Lightning's ``ckpt_path="last"``).
 
     That checkpoint is the first intact one (``checkpoint_damage``) of ``RUN/ckpt``; ``ckpt.tmp``, complete when a
     kill came between the save's renames; ``ckpt.old``, the one before it. One that is not ``RUN/ckpt`` is renamed
     into place (a damaged ``RUN/ckpt`` kept as ``ckpt.damaged``), so every loader reads ``RUN/ckpt``, saying so in
-    one line; none intact stops the run with one line naming each damaged file."""
+    one line. A save cut short (no marker) is no checkpoint; a damaged one stops the run with one line naming each
+    damaged file, since starting again would throw its steps away."""
     ckpt = os.path.join(run, "ckpt")
     found, passed = None, []
     for folder in (os.path.join(run, c) for c in CANDIDATES):
@@ -288,10 +383,17 @@ def resume(run: str) -> dict | None:
             if why is None:
                 found = folder
                 break
-            passed.append(why)
+            if folder == ckpt or os.path.isfile(os.path.join(folder, COMPLETE)):
+                passed.append(why)
+    if found is None and passed:
+        raise SystemExit(f"error: --resume {run}: no intact checkpoint: {'; '.join(passed)}")
     if found is None:
-        if passed:
-            raise SystemExit(f"error: --resume {run}: no intact checkpoint: {'; '.join(passed)}")
+        if dist.DIST.rank == 0:
+            print(f"--resume {run}: no checkpoint yet (stopped before its first save): starting from step 0",
+                  file=sys.stderr)
+            for folder in CANDIDATES[1:]:
+                discard(os.path.join(run, folder))
+        truncate_metrics(os.path.join(run, "metrics.jsonl"), {"stage": "sft", "step": 0})   # every row
         return None
     if found != ckpt:
         said = (f"warning: {passed[0]}; resuming from the intact {found} (the damaged copy kept as {ckpt}.damaged)"
@@ -302,13 +404,25 @@ def resume(run: str) -> dict | None:
             print(said, file=sys.stderr)
             put_in_place(found, ckpt)
         dist.all_sum([0.0])
-    path = os.path.join(ckpt, "trainer.pt")
-    try:
-        trainer = torch.load(path, weights_only=False)
-    except Exception as e:      # damaged in a way its size and zip directory do not show
-        raise SystemExit(f"error: --resume {run}: {path}: damaged ({_first_line(e)})") from None
+    trainer = load_trainer(os.path.join(ckpt, "trainer.pt"), run)
     truncate_metrics(os.path.join(run, "metrics.jsonl"), trainer["state"])
     return trainer
+
+
+def load_trainer(path: str, run: str) -> dict:
+    """``trainer.pt`` read as data: ``torch.load(weights_only=True)`` unpickles tensors, numbers, strings and
+    containers and refuses anything else, so a checkpoint from elsewhere cannot run code on ``--resume``. A
+    refused file is one line naming it and the object it holds (exit status 2); it is never loaded."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = found.group(1) if found else _first_line(e)
+        print(f"error: --resume {run}: {path}: refused: it holds {what}, which is not data (tensors, numbers, "
+              f"strings, lists, dicts), and loading it could run code", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Exception as e:      # damaged in a way its size and zip directory do not show
+        raise SystemExit(f"error: --resume {run}: {path}: damaged ({_first_line(e)})") from None
 
 
 def put_in_place(found: str, ckpt: str) -> None:
@@ -324,11 +438,7 @@ def put_in_place(found: str, ckpt: str) -> None:
 def check_run(run: str, resuming: bool) -> str:
     """Create the run folder; returns its metrics path. A folder that already holds a run is refused unless
     ``resuming``: two runs' metrics never mix and no checkpoint is overwritten. ``resuming`` a folder without
-    a checkpoint stops with one line and exit status 2 (a flag error): a fresh start there would be silent."""
-    if resuming and not any(os.path.isdir(os.path.join(run, c)) for c in CANDIDATES):
-        print(f"error: --resume {run}: nothing to resume (no checkpoint {os.path.join(run, 'ckpt')})",
-              file=sys.stderr)
-        raise SystemExit(2)
+    a checkpoint starts it from step 0 (``resume`` says so)."""
     os.makedirs(run, exist_ok=True)
     metrics_path = os.path.join(run, "metrics.jsonl")
     if not resuming and os.path.exists(metrics_path):
@@ -341,8 +451,7 @@ def write_config(run: str, config: dict) -> None:
     """``RUN/config.json``: the run's Config (rank 0); eval.py reads the memory reward's settings from it. Every
     script calls it once at its start, so it also opens the ``--report-to`` loggers."""
     if dist.DIST.rank == 0:
-        with open(os.path.join(run, "config.json"), "w") as f:
-            json.dump(config, f, indent=1)
+        replace_file(os.path.join(run, "config.json"), json.dumps(config, indent=1), run)
         open_reporters(run, config.get("report_to", "none"), config)
 
 
@@ -353,14 +462,18 @@ def close_reporters() -> None:
 
 # --------------------------------------------------------------------------- LoRA
 
-def save_folder(path: str, model) -> None:
-    """``model.save_pretrained(path)`` atomically (``path.tmp``, then renamed) by rank 0; every rank waits for it."""
+def save_folder(path: str, model, tokenizer=None) -> None:
+    """``model.save_pretrained(path)`` (and the tokenizer's) atomically (``path.tmp``, then renamed; a full disk is
+    one line) by rank 0; every rank waits for it."""
     if dist.DIST.rank == 0:         # torchrun: one writer, the others wait for it (all_sum is the barrier)
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        with writing(path, os.path.dirname(path), cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
+            model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
     dist.all_sum([0.0])
 
 

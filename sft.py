@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 import data
 import dist
-from checkpoint import log_jsonl, save_checkpoint
+from checkpoint import log_jsonl, save_checkpoint, writing
 from flags import Accepts, FlagParser
 from grpo import Sample, collate, micro_batches, target_row
 from memory import Record, extract_mem, prepare_prompt, tool_record
@@ -472,13 +472,14 @@ def export(folder: str, ks: tuple[int, ...] = (1, 2, 4, 6), n: int = 64, episode
     for k in ks:
         world, tasks = data.held_out_tasks(k, n)
         paths += [os.path.join(folder, f"test_k{k}.jsonl"), os.path.join(folder, f"corpus_k{k}.jsonl")]
-        with open(paths[-2], "w", encoding="utf-8") as f:
+        with writing(paths[-2]), open(paths[-2], "w", encoding="utf-8") as f:      # a full disk: one line
             for t in tasks:
                 f.write(json.dumps({"question": t.question, "golden_answers": t.golds}) + "\n")
-        data.save_corpus(world.docs, paths[-1])
+        with writing(paths[-1]):
+            data.save_corpus(world.docs, paths[-1])
     rng = random.Random(seed)
     paths.append(os.path.join(folder, "sft_trajectories.jsonl"))
-    with open(paths[-1], "w", encoding="utf-8") as f:
+    with writing(paths[-1]), open(paths[-1], "w", encoding="utf-8") as f:
         for e in range(episodes):
             world = data.make_world(rng.randrange(10**9))
             tool, task = SearchTool(world.docs), data.make_task(world, rng, rng.randint(1, 4))

@@ -1,15 +1,22 @@
 """Checkpoints a kill cannot lose: a run killed between the save's two renames resumes from the complete copy it
 left and finishes as the uninterrupted run; a damaged file is one line naming it, and ``--resume`` falls back to an
 intact older copy where one exists, saying so. Real tiny SFT runs, real files truncated on disk."""
+import errno
 import json
 import os
+import random
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoint
+import sft
 import train
 
 # SFT alone, checkpoints at steps 5 and 10 of 12: seconds on a CPU
@@ -23,7 +30,7 @@ def weights(run):
 
 
 def saved_step(folder):
-    return torch.load(folder / "trainer.pt", weights_only=False)["state"]["step"]
+    return torch.load(folder / "trainer.pt", weights_only=True)["state"]["step"]
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +154,283 @@ def test_a_trainer_file_whose_zip_is_whole_but_not_torchs_stops_in_one_line(betw
         train.main(["--run", str(run), "--resume"] + TINY)
     msg = str(stop.value.code)
     assert "\n" not in msg and msg.startswith(f"error: --resume {run}: {run / 'ckpt' / 'trainer.pt'}: damaged (")
+
+
+# --------------------------------------------------------------------------- a checkpoint is data
+
+def plant(folder, payload):
+    """Replace ``folder``'s trainer.pt with a torch.save file holding ``payload`` as its state, and rewrite
+    complete.json's sizes to match: the completeness check passes, only the load can refuse it."""
+    trainer = torch.load(folder / "trainer.pt", weights_only=True)
+    trainer["state"] = payload
+    torch.save(trainer, folder / "trainer.pt")
+    marker = json.load(open(folder / checkpoint.COMPLETE))
+    marker["files"]["trainer.pt"] = (folder / "trainer.pt").stat().st_size
+    json.dump(marker, open(folder / checkpoint.COMPLETE, "w"))
+    assert checkpoint.checkpoint_damage(str(folder)) is None
+
+
+class Payload:
+    """What a planted checkpoint carries: unpickling it would create ``path``."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def planted_run(between_renames, tmp_path):
+    _, killed = between_renames
+    run = copy_of(killed, tmp_path)
+    shutil.rmtree(run / "ckpt.old")
+    os.replace(run / "ckpt.tmp", run / "ckpt")
+    pwned = tmp_path / "pwned"
+    plant(run / "ckpt", Payload(pwned))
+    return run, pwned
+
+
+def test_a_planted_pickle_in_trainer_pt_never_runs_on_resume_in_train_py(between_renames, tmp_path):
+    """The real command, in its own process: the payload's file stays absent, one line names the file, exit 2."""
+    run, pwned = planted_run(between_renames, tmp_path)
+    done = subprocess.run([sys.executable, "train.py", "--run", str(run), "--resume"] + TINY, cwd=HERE,
+                          capture_output=True, text=True, timeout=300)
+    assert not pwned.exists()
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    line, = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith(f"error: --resume {run}: {run / 'ckpt' / 'trainer.pt'}: refused: it holds posix.system")
+    assert not (run / "final").exists()
+
+
+@pytest.mark.parametrize("entry", ["memalpha", "memtrain"])
+def test_a_planted_pickle_never_runs_on_resume_in_the_recipes(between_renames, tmp_path, capsys, entry):
+    """Every recipe resumes through ``checkpoint.resume``: the same refusal before any model loads."""
+    import importlib
+    run, pwned = planted_run(between_renames, tmp_path)
+    main = importlib.import_module(f"recipes.{entry}").main
+    with pytest.raises(SystemExit) as stop:
+        main(["--run", str(run), "--resume"])
+    assert stop.value.code == 2 and not pwned.exists()
+    assert f"{run / 'ckpt' / 'trainer.pt'}: refused: it holds posix.system" in capsys.readouterr().err
+
+
+def test_a_foreign_object_in_trainer_pt_is_one_line_naming_it(between_renames, tmp_path, capsys):
+    from fractions import Fraction
+    _, killed = between_renames
+    run = copy_of(killed, tmp_path)
+    plant(run / "ckpt.old", {"stage": "sft", "step": Fraction(5)})
+    with pytest.raises(SystemExit) as stop:
+        checkpoint.load_trainer(str(run / "ckpt.old" / "trainer.pt"), str(run))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert "trainer.pt: refused: it holds fractions.Fraction, which is not data" in err
+
+
+def test_the_trainer_state_is_data_and_loads_without_unpickling_objects(between_renames):
+    """What save_checkpoint writes (the format every earlier checkpoint has) loads as data: resuming it needs no
+    conversion."""
+    _, killed = between_renames
+    trainer = checkpoint.load_trainer(str(killed / "ckpt.old" / "trainer.pt"), str(killed))
+    assert set(trainer) == {"optimizer", "state", "torch_rng"}
+    assert trainer["state"] == {"stage": "sft", "step": 5, "precision": "auto"}
+    assert trainer["torch_rng"].dtype == torch.uint8 and trainer["optimizer"]["state"]
+
+
+# --------------------------------------------------------------------------- --resume a scheduler can repeat
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+
+def test_resume_with_no_checkpoint_yet_starts_from_step_0_in_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"stage": "sft", "step": 0, "loss": 9.0}\n{"stage": "sft", "st')
+    (run / "ckpt.tmp").mkdir()                            # a first save cut short: no marker
+    (run / "ckpt.tmp" / "trainer.pt").write_bytes(b"half")
+    assert checkpoint.resume(str(run)) is None
+    err = capsys.readouterr().err
+    assert err == f"--resume {run}: no checkpoint yet (stopped before its first save): starting from step 0\n"
+    assert (run / "metrics.jsonl").read_text() == "" and not (run / "ckpt.tmp").exists()
+
+
+@pytest.mark.parametrize("cut", ["before", "inside"])
+def test_a_run_stopped_before_or_inside_its_first_save_is_rerun_by_the_same_resume_command(between_renames,
+                                                                                           tmp_path, capsys, cut):
+    """Stopped at the first save's start (config and metrics rows written, no checkpoint) or inside it (the
+    step-5 ckpt.tmp without its marker): ``--resume`` starts from step 0, saying so, and ends with the
+    uninterrupted run's weights and metrics."""
+    full, _ = between_renames
+    run = tmp_path / "run"
+    target = (sft, "save_checkpoint") if cut == "before" else (checkpoint, "mark_complete")
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(*target, stop)
+        with pytest.raises(KeyboardInterrupt):
+            train.main(["--run", str(run)] + TINY)
+    assert (run / "metrics.jsonl").stat().st_size > 0 and not (run / "ckpt").exists()
+    assert (run / "ckpt.tmp").exists() == (cut == "inside")
+    capsys.readouterr()
+    train.main(["--run", str(run), "--resume"] + TINY)
+    assert "no checkpoint yet (stopped before its first save): starting from step 0" in capsys.readouterr().err
+    assert all(torch.equal(a, b) for a, b in zip(weights(full).values(), weights(run).values()))
+    assert open(run / "metrics.jsonl").read().count("\n") == open(full / "metrics.jsonl").read().count("\n")
+
+
+# 240 steps, a checkpoint every 50: a few seconds of steps to kill in (TINY's 12 take under one)
+LONGER = TINY[:TINY.index("--sft-steps")] + ["--sft-steps", "240", "--sft-save-every", "50"] + \
+    TINY[TINY.index("--sft-copy-steps"):TINY.index("--sft-save-every")] + TINY[TINY.index("--rl-steps"):]
+
+
+def test_the_same_resume_command_repeated_after_sigkills_at_random_instants_finishes_as_uninterrupted(tmp_path):
+    """A scheduler's loop: the same ``train.py --resume`` from the first instant on (no run folder yet), SIGKILLed
+    in its first steps (before any checkpoint), then at random instants of its steps, then left to finish: the
+    uninterrupted run's weights, each metrics row once."""
+    full, run = tmp_path / "full", tmp_path / "run"
+    subprocess.run([sys.executable, "train.py", "--run", str(full)] + LONGER, cwd=HERE, env=ENV,
+                   capture_output=True, timeout=300, check=True)
+    cmd = [sys.executable, "train.py", "--run", str(run), "--resume"] + LONGER
+    rng = random.Random(0)
+    inode = lambda path: path.stat().st_ino if path.exists() else None
+    for kill in range(3):
+        config = inode(run / "config.json")
+        p = subprocess.Popen(cmd, cwd=HERE, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120             # this attempt wrote its config.json: its steps begin
+        while p.poll() is None and time.time() < deadline and (
+                inode(run / "config.json") in (None, config) or kill == 0 and not (run / "metrics.jsonl").exists()):
+            time.sleep(0.005)
+        time.sleep(0.0 if kill == 0 else rng.uniform(0.0, 6.0))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        if kill == 0:
+            assert not any((run / c).exists() for c in checkpoint.CANDIDATES), "the first save came before the kill"
+    subprocess.run(cmd, cwd=HERE, env=ENV, capture_output=True, timeout=300, check=True)
+    assert all(torch.equal(a, b) for a, b in zip(weights(full).values(), weights(run).values()))
+    key = lambda path: [(r["stage"], r["step"]) for r in map(json.loads, open(path))]
+    assert key(run / "metrics.jsonl") == key(full / "metrics.jsonl")
+
+
+# --------------------------------------------------------------------------- a full disk
+
+def disk_size(folder) -> int:
+    """Bytes ``folder``'s files take on a tmpfs (whole 4 KiB pages)."""
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) -> a real tmpfs of ``size`` bytes; remount(size) grows it (space freed); unmounted after."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    sh = lambda *a: subprocess.run(a, check=True, capture_output=True)
+    mount = lambda size: sh("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)) and disk
+    yield mount, lambda size: sh("mount", "-o", f"remount,size={size}", str(disk))
+    subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_disk_that_fills_at_the_second_checkpoint_stops_in_one_line_and_resumes_once_space_is_back(
+        between_renames, small_disk):
+    """A real small tmpfs: it holds the run and one checkpoint, not two. The step-10 save fails: one line, exit
+    != 0, the step-5 checkpoint intact (never removed before its replacement is whole), the half-written copy
+    gone; grown again, the same ``--resume`` finishes with the uninterrupted run's weights."""
+    full, _ = between_renames
+    mount, remount = small_disk
+    one = disk_size(full / "ckpt")
+    disk = mount(one * 3 // 2 + 64 * 1024)
+    run = disk / "run"
+    cmd = [sys.executable, "train.py", "--run", str(run)] + TINY
+    done = subprocess.run(cmd, cwd=HERE, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line == (f"error: could not write {run / 'ckpt.tmp'}: no space left on device; the newest intact "
+                    f"checkpoint is {run / 'ckpt'} (sft step 5): free space, then rerun with --resume")
+    assert checkpoint.checkpoint_damage(str(run / "ckpt")) is None and saved_step(run / "ckpt") == 5
+    assert not (run / "ckpt.tmp").exists() and not (run / "final").exists()
+    remount("64m")
+    subprocess.run(cmd + ["--resume"], cwd=HERE, env=ENV, capture_output=True, timeout=300, check=True)
+    assert all(torch.equal(a, b) for a, b in zip(weights(full).values(), weights(run).values()))
+
+
+class FullDisk:
+    """``open`` for a module, where a write to a file whose path ends with ``suffix`` writes half its text and
+    fails as a full disk does (ENOSPC): an injected failure at one write of a real run."""
+
+    def __init__(self, suffix, after=0):
+        self.suffix, self.left = suffix, after
+
+    def __call__(self, path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        if str(path).endswith(self.suffix) and ("w" in mode or "a" in mode):
+            if self.left == 0:
+                real = f.write
+
+                def write(text):
+                    real(text[:len(text) // 2])
+                    f.flush()
+                    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+                f.write = write
+            self.left -= 1
+        return f
+
+
+def test_a_full_disk_at_a_metrics_row_is_one_line_and_leaves_no_half_row(between_renames, tmp_path):
+    """The step-11 row fails half written (after the step-10 checkpoint): one line naming metrics.jsonl and the
+    intact checkpoint; the file keeps whole rows only, and --resume finishes as the uninterrupted run."""
+    full, _ = between_renames
+    run = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint, "open", FullDisk("metrics.jsonl", after=1), raising=False)
+        with pytest.raises(SystemExit) as stop:
+            train.main(["--run", str(run)] + TINY)
+    assert str(stop.value.code) == (f"error: could not write {run / 'metrics.jsonl'}: no space left on device; "
+                                    f"the newest intact checkpoint is {run / 'ckpt'} (sft step 10): free space, "
+                                    f"then rerun with --resume")
+    assert all(checkpoint.whole_row(ln) for ln in open(run / "metrics.jsonl"))
+    train.main(["--run", str(run), "--resume"] + TINY)
+    assert all(torch.equal(a, b) for a, b in zip(weights(full).values(), weights(run).values()))
+    assert open(run / "metrics.jsonl").read() .count("\n") == open(full / "metrics.jsonl").read().count("\n")
+
+
+def test_a_full_disk_at_the_final_model_is_one_line_and_no_partial_final(between_renames, tmp_path):
+    """safetensors' own error ("I/O error: No space left on device") while RUN/final is written: one line, no
+    folder named final (it is written as final.tmp and renamed whole), and --resume writes it."""
+    from safetensors import SafetensorError
+    full, _ = between_renames
+    run = tmp_path / "run"
+    real = checkpoint.save_model
+
+    def fails_at_final(path, *args, **kwargs):
+        if path.endswith("final.tmp"):
+            real(path, *args, **kwargs)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(path, *args, **kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint, "save_model", fails_at_final)
+        with pytest.raises(SystemExit) as stop:
+            train.main(["--run", str(run)] + TINY)
+    assert str(stop.value.code).startswith(f"error: could not write {run / 'final'}: no space left on device; the "
+                                           f"newest intact checkpoint is {run / 'ckpt'} (sft step 10)")
+    assert not (run / "final").exists() and not (run / "final.tmp").exists()
+    train.main(["--run", str(run), "--resume"] + TINY)
+    assert all(torch.equal(a, b) for a, b in zip(weights(full).values(), weights(run).values()))
+
+
+def test_a_full_disk_at_the_config_or_an_exported_file_is_one_line_naming_it(tmp_path):
+    run = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint, "open", FullDisk("config.json.tmp"), raising=False)
+        with pytest.raises(SystemExit) as stop:
+            train.main(["--run", str(run)] + TINY)
+    assert str(stop.value.code) == (f"error: could not write {run / 'config.json'}: no space left on device; {run} "
+                                    f"has no intact checkpoint yet: rerun with --resume to start it again from "
+                                    f"step 0")
+    assert not (run / "config.json.tmp").exists()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sft, "open", FullDisk("test_k2.jsonl"), raising=False)
+        with pytest.raises(SystemExit) as stop:
+            sft.main(["--export", str(tmp_path / "exported"), "--objectives", "1", "2", "--tasks", "4",
+                      "--episodes", "4"])
+    assert str(stop.value.code) == f"error: could not write {tmp_path / 'exported' / 'test_k2.jsonl'}: no space " \
+                                   f"left on device"

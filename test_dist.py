@@ -261,7 +261,7 @@ def test_torchrun_two_ranks_killed_then_resumed_with_one(tmp_path):
     deadline = time.time() + 90
     while time.time() < deadline and p.poll() is None:
         try:
-            if torch.load(state, weights_only=False)["state"]["step"] >= 2:
+            if torch.load(state, weights_only=True)["state"]["step"] >= 2:
                 break
         except Exception:       # not written yet, or being renamed into place
             pass
@@ -269,7 +269,7 @@ def test_torchrun_two_ranks_killed_then_resumed_with_one(tmp_path):
     assert p.poll() is None, p.stderr.read().decode()[-3000:]
     kill_torchrun(p)
     assert not (killed / "final").exists(), "the run finished before it could be killed"
-    done = torch.load(state, weights_only=False)["state"]["step"]
+    done = torch.load(state, weights_only=True)["state"]["step"]
     assert 2 <= done < 30
     # the same run stopped cleanly at that step: 2 ranks for its first steps, then 1 process
     full = tmp_path / "full"

@@ -132,14 +132,6 @@ def test_help_groups_the_flags_by_config_section_and_a_recipe_s_own_last(capsys)
     assert config is not train.Config and own
 
 
-def test_resume_without_a_checkpoint_stops_before_the_folder_is_made(tmp_path, capsys):
-    with pytest.raises(SystemExit) as stop:
-        checkpoint.check_run(str(tmp_path / "run"), resuming=True)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.count("\n") == 1 and "nothing to resume" in err
-    assert not (tmp_path / "run").exists()
-
-
 # --------------------------------------------------------------------------- the scripts' argparse flags
 
 class Built(Exception):

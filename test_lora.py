@@ -53,7 +53,7 @@ def test_rl_moves_the_adapters_and_leaves_the_base_bit_identical(sft_run, lora_r
     assert lora_b and all(p.requires_grad for p in lora_b) and any(p.abs().sum() > 0 for p in lora_b)  # B starts at 0
     # the checkpoint: adapters (no full model) and an AdamW state over exactly the trainable tensors
     assert not (lora_run / "ckpt" / "model.safetensors").exists()
-    trainer = torch.load(lora_run / "ckpt" / "trainer.pt", weights_only=False)
+    trainer = torch.load(lora_run / "ckpt" / "trainer.pt", weights_only=True)
     n_trainable = sum(p.requires_grad for p in policy.parameters())
     assert len(trainer["optimizer"]["param_groups"][0]["params"]) == n_trainable == len(trainer["optimizer"]["state"])
 

@@ -519,7 +519,7 @@ def test_killed_memalpha_run_resumes_to_the_uninterrupted_result(tmp_path, monke
     monkeypatch.setattr(memalpha, real.__name__, killed)
     with pytest.raises(KeyboardInterrupt):
         memalpha.run_memalpha(_tiny_run(tmp_path / "cut", resume=rl))
-    saved = torch.load(tmp_path / "cut" / "ckpt" / "trainer.pt", weights_only=False)["state"]
+    saved = torch.load(tmp_path / "cut" / "ckpt" / "trainer.pt", weights_only=True)["state"]
     assert saved == {"stage": kill_stage, "step": 2}     # ckpt_every 2: the last checkpoint before the kill
     with pytest.raises(SystemExit):                     # a run folder is never reused without --resume
         memalpha.run_memalpha(_tiny_run(tmp_path / "cut"))

@@ -202,7 +202,7 @@ def test_resume_during_sft_gives_the_uninterrupted_weights(tmp_path, monkeypatch
     monkeypatch.setattr(sft, "sft_batch", crash_at_8)
     with pytest.raises(KeyboardInterrupt):
         train.main(["--run", str(tmp_path / "killed")] + TINY)
-    state = torch.load(tmp_path / "killed" / "ckpt" / "trainer.pt", weights_only=False)["state"]
+    state = torch.load(tmp_path / "killed" / "ckpt" / "trainer.pt", weights_only=True)["state"]
     assert state == {"stage": "sft", "step": 5, "precision": "auto"}
     monkeypatch.setattr(sft, "sft_batch", real)
     train.main(["--run", str(tmp_path / "killed"), "--resume"] + TINY)

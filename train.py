@@ -326,7 +326,9 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
     if cfg.viz_every and step % cfg.viz_every == 0 and dist.DIST.rank == 0:     # rank 0's own questions
         record = viz.step_record(trajs, tokenizer, adv_t, mem, adv_m, cfg.mem_weight, outs, metrics=m,
                                  title=f"{cfg.run}: {cfg.algo} RL step {step}")
-        viz.write_page(os.path.join(cfg.run, "viz", f"step_{step:04d}.html"), record)
+        page = os.path.join(cfg.run, "viz", f"step_{step:04d}.html")
+        with checkpoint.writing(page, cfg.run):
+            viz.write_page(page, record)
     return m
 
 
@@ -552,8 +554,9 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
                                        {"stage": "rl", "step": s + 1, "precision": cfg.precision}, system_prompt,
                                        cfg.probe_think)
             if cfg.keep_checkpoints and dist.DIST.rank == 0:
-                shutil.copytree(ckpt, os.path.join(cfg.run, f"step_{s + 1:04d}"), dirs_exist_ok=True,
-                                ignore=shutil.ignore_patterns("trainer.pt"))
+                kept = os.path.join(cfg.run, f"step_{s + 1:04d}")
+                with checkpoint.writing(kept, cfg.run):
+                    shutil.copytree(ckpt, kept, dirs_exist_ok=True, ignore=shutil.ignore_patterns("trainer.pt"))
 
 
 # --------------------------------------------------------------------------- a run
@@ -647,7 +650,7 @@ def train_policy(cfg: Config, model, tokenizer, prompt: str, state: dict, traine
         model = model.merge_and_unload()        # RUN/final: one plain transformers model, adapters merged in
     model_sd, _ = dist.full_state(model, None)
     if dist.DIST.rank == 0:
-        checkpoint.save_model(os.path.join(cfg.run, "final"), model, tokenizer, prompt, model_sd, cfg.probe_think)
+        checkpoint.save_final(cfg.run, model, tokenizer, prompt, model_sd, cfg.probe_think)
         print(f"saved {cfg.run}/final")
     checkpoint.close_reporters()
     dist.close()

@@ -531,8 +531,7 @@ def run_memalpha(cfg: MemAlphaConfig) -> None:
         run_sft(model, opt, lambda step: memalpha_sft_batch(tokenizer, cfg, step), range(state["step"], cfg.sft_steps),
                 lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 50), cfg, tokenizer.pad_token_id, on_step,
                 desc="memalpha sft")
-        model.save_pretrained(os.path.join(cfg.run, "sft"))
-        tokenizer.save_pretrained(os.path.join(cfg.run, "sft"))
+        checkpoint.save_folder(os.path.join(cfg.run, "sft"), model, tokenizer)
         state, trainer = {"stage": "rl", "step": 0}, None
         save(None, state)                   # SFT done: a kill from here on resumes at RL step 0
     answerer = load_model(cfg.answerer or os.path.join(cfg.run, "sft"), device).eval().requires_grad_(False)
@@ -549,8 +548,7 @@ def run_memalpha(cfg: MemAlphaConfig) -> None:
         bar.set_postfix(reward=f"{m['reward']:.3f}", r1=f"{m['r1']:.3f}")
         if cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.rl_steps:
             save(opt, {"stage": "rl", "step": step + 1})
-    model.save_pretrained(os.path.join(cfg.run, "final"))
-    tokenizer.save_pretrained(os.path.join(cfg.run, "final"))
+    checkpoint.save_folder(os.path.join(cfg.run, "final"), model, tokenizer)
     print(f"saved {cfg.run}/final")
 
 
