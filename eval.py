@@ -75,44 +75,47 @@ def summarize(trajs: list) -> dict:
             | ({"early": sum(early) / len(early)} if early else {}))
 
 
+def retention_events(traj, task):
+    """(round t, objective k, held, rounds ago) for every round t >= 1 of ``traj`` and every objective with a
+    needed entity: the newest object of its gold chain that an earlier search retrieved (its answer once the
+    chain is complete); ``held`` = does ``<mem>`` hold it in objective k's entry, found how many rounds ago."""
+    tools = [r.text for r in traj.records if r.type in ("search_results", "webpage")]
+    found: dict[tuple[int, int], int] = {}           # (objective, hop) -> round that retrieved it
+    for t, rnd in enumerate(traj.rounds):
+        if t >= 1:
+            entries = data.parse_mem(extract_mem(rnd.text) or "")
+            for k, obj in enumerate(task.objectives):
+                hops = [h for h in range(len(obj.chain)) if (k, h) in found]
+                if hops:
+                    h = max(hops)
+                    yield t, k, int(obj.chain[h][2] in entries.get(k, [])), t - found[(k, h)]
+        if t < len(tools) and rnd.action == "search":
+            query = parse_action(rnd.text)[1].split()
+            for k, obj in enumerate(task.objectives):
+                for h, f in enumerate(obj.chain):      # retrieved: searched for and shown
+                    if query == list(f[:2]) and " ".join(f) in tools[t] and (k, h) not in found:
+                        found[(k, h)] = t
+
+
 def memory_retention(trajs: list, tasks: list) -> dict:
     """How much of what the agent found its ``<mem>`` keeps, measurable because the world's facts are known.
 
-    Objective k's *needed* entity after some rounds is the newest object of its gold chain that an
-    earlier search retrieved (its answer once the chain is complete). Retention at round t >= 1 (from 0) =
-    fraction of needed entities that ``<mem>`` holds in objective k's entry (``k = path``), by
-    how many rounds ago the entity was retrieved (and pooled over 3+ rounds ago: what only ``<mem>`` can still
-    hold in the snail shell), and for rounds 1-7 vs 8-63 (turn drift: the paper trains 8 rounds, evaluates 64).
+    Retention at round t >= 1 (from 0) = fraction of needed entities (``retention_events``) that ``<mem>`` holds
+    in objective k's entry (``k = path``), by how many rounds ago the entity was retrieved (and pooled over 3+
+    rounds ago: what only ``<mem>`` can still hold in the snail shell), and for rounds 1-7 vs 8-63 (turn drift:
+    the paper trains 8 rounds, evaluates 64).
     """
     kept = {b: [0, 0] for b in AGO_BUCKETS}
     drift = {"rounds 1-7": [0, 0], "rounds 8-63": [0, 0]}
     for traj in trajs:
-        task = tasks[traj.group_id]
-        tools = [r.text for r in traj.records if r.type in ("search_results", "webpage")]
-        found: dict[tuple[int, int], int] = {}           # (objective, hop) -> round that retrieved it
-        for t, rnd in enumerate(traj.rounds):
-            if t >= 1:
-                entries = data.parse_mem(extract_mem(rnd.text) or "")
-                for k, obj in enumerate(task.objectives):
-                    hops = [h for h in range(len(obj.chain)) if (k, h) in found]
-                    if not hops:
-                        continue
-                    h = max(hops)
-                    hit = int(obj.chain[h][2] in entries.get(k, []))
-                    ago = t - found[(k, h)]
-                    for b in AGO_BUCKETS:
-                        if b[0] <= ago <= b[1]:
-                            kept[b][0] += hit
-                            kept[b][1] += 1
-                    d = drift["rounds 1-7" if t < 8 else "rounds 8-63"]
-                    d[0] += hit
-                    d[1] += 1
-            if t < len(tools) and rnd.action == "search":
-                query = parse_action(rnd.text)[1].split()
-                for k, obj in enumerate(task.objectives):
-                    for h, f in enumerate(obj.chain):      # retrieved: searched for and shown
-                        if query == list(f[:2]) and " ".join(f) in tools[t] and (k, h) not in found:
-                            found[(k, h)] = t
+        for t, _, hit, ago in retention_events(traj, tasks[traj.group_id]):
+            for b in AGO_BUCKETS:
+                if b[0] <= ago <= b[1]:
+                    kept[b][0] += hit
+                    kept[b][1] += 1
+            d = drift["rounds 1-7" if t < 8 else "rounds 8-63"]
+            d[0] += hit
+            d[1] += 1
     ratio = lambda a: a[0] / a[1] if a[1] else float("nan")
     older = [v for (a, _), v in kept.items() if a >= 3]
     return {"retention": ratio([sum(v[0] for v in kept.values()), sum(v[1] for v in kept.values())]),

@@ -326,3 +326,28 @@ def test_each_mode_prints_its_report_then_one_json_line(sft_run, capsys):
     with pytest.raises(SystemExit) as stop:             # one mode is required
         diagnostics.main(quick)
     assert stop.value.code == 2 and "--memory" in capsys.readouterr().err
+
+
+def test_variety_counts_questions_whose_rollouts_keep_and_drop_and_ranks_their_rounds_by_hand():
+    """results/variety.py on expert replays: question 0's four rollouts are two keeping and two forgetting
+    experts (it varies), question 1's four all keep (it does not). With a memory reward of +1 on each keeping
+    round and -1 on each dropping one, keep - drop is 2 in reward and 2 / std in A_M (the pool's unbiased std)."""
+    import statistics
+    import sys
+    sys.path.insert(0, "results")
+    from variety import round_flags, variety
+    world, tasks = data.make_tasks(32, 2, [4], (1, 2))
+    tool = SearchTool(world.docs)
+    trajs = [replay(tasks[q], tool, q, forget=q == 0 and g >= 2) for q in range(2) for g in range(4)]
+    flags = {(i, t): f for i, tr in enumerate(trajs) for t, f in round_flags(tr, tasks[tr.group_id]).items()}
+    assert 0 in {f for (i, _), f in flags.items() if i >= 2 and i < 4} and all(f for (i, _), f in flags.items()
+                                                                             if i < 2 or i >= 4)
+    scored = [(i, t) for i, tr in enumerate(trajs) for t in range(1, len(tr.rounds))]
+    reward = [(2.0 * flags[key] - 1.0) if key in flags else 0.0 for key in scored]
+    mem = {"scored": scored, "reward": reward, "p_mem": [(r + 1) / 2 for r in reward], "p_full": [0.5] * len(reward)}
+    out = variety(trajs, tasks, mem)
+    assert out["measured"] == 2 and out["varies"] == 0.5 and out["varies_rounds"] == 0.5
+    assert out["keep_minus_drop_reward"] == 2.0 and out["keep_minus_drop_p_mem"] == 1.0
+    pool = [r for (i, _), r in zip(scored, reward) if i < 4]
+    assert abs(out["keep_minus_drop_adv"] - 2.0 / (statistics.stdev(pool) + 1e-6)) < 1e-9
+    assert out["retention_by_ago"]["1-1"] == 1.0 and out["drop_rounds"] > 0

@@ -1,0 +1,149 @@
+"""Does a start leave the memory advantage something to teach? What `<mem>` keeps across a question's sampled
+rollouts, and whether the memory reward ranks a round that keeps above one that drops.
+
+For a checkpoint (an SFT start, or a model an RL run kept every 20 steps), the questions of the RL steps
+``--steps`` of seed ``--seed`` (the run's own data order, ``train.rl_tasks``), ``--group`` rollouts each at
+``--temperature`` in ``--context``, sampled as the RL step samples them (``train.sample_rollouts``: from the SFT
+start, steps 0-3 here are RL steps 0-3's own rollouts). Then:
+
+* **what `<mem>` keeps**: a round *drops* when its `<mem>` misses an entity an earlier search found and the answer
+  still needs, *keeps* when it holds all of them (``eval.retention_events``); a rollout drops when any of its
+  rounds does. A question **varies** when one of its rollouts keeps and another drops: the only case where the
+  memory advantage, which ranks a question's rounds against each other, has a better `<mem>` to rank up
+  (``varies_rounds``: the question's pool holds a keeping and a dropping round, of one rollout or two).
+  ``3+``: the same for entities found 3 or more rounds earlier, the ones only `<mem>` still holds in the snail
+  shell. Retention by rounds-ago pools every round (``eval.memory_retention``).
+* **what the memory reward says of it**: each round's P_mem, P_full and reward (``reward.memory_rewards``, as the
+  RL step computes it) and A_M (``grpo.memory_advantage``, the paper's pool over the question's rounds); within
+  each question whose pool holds both, the mean over its keeping rounds minus the mean over its dropping rounds
+  (``keep_minus_drop_*``, averaged over those questions), and the spread (std) of P_mem over its rounds.
+
+    python results/variety.py --checkpoint R/sft_s0/sft --seed 0 --steps 0 1 2 3     # the precondition at step 0
+    python results/variety.py --checkpoint R/mempo_s0/step_0020 --seed 0 --steps 1000 1001 1002 1003   # a curve
+
+Prints a table and one JSON line (``variety {...}``) that ``--json FILE`` also writes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import checkpoint  # noqa: E402
+import eval as evaluation  # noqa: E402
+import train  # noqa: E402
+from grpo import memory_advantage  # noqa: E402
+from models import pick_device  # noqa: E402
+from reward import memory_rewards  # noqa: E402
+
+
+def round_flags(traj, task, min_ago: int = 1) -> dict[int, int]:
+    """Round t -> 1 if its `<mem>` holds every needed entity found ``min_ago`` or more rounds earlier, 0 if it
+    misses one; rounds with no such entity are left out."""
+    flags: dict[int, int] = {}
+    for t, _, held, ago in evaluation.retention_events(traj, task):
+        if ago >= min_ago:
+            flags[t] = min(flags.get(t, 1), held)
+    return flags
+
+
+def keep_minus_drop(values: dict, flags: dict) -> float | None:
+    """Mean of ``values`` over the keeping rounds minus over the dropping ones; None without both."""
+    keep = [values[r] for r, f in flags.items() if f == 1 and r in values]
+    drop = [values[r] for r, f in flags.items() if f == 0 and r in values]
+    return statistics.fmean(keep) - statistics.fmean(drop) if keep and drop else None
+
+
+def variety(trajs: list, tasks: list, mem: dict) -> dict:
+    """The figures above for one batch of rollouts (``trajs`` with ``group_id`` into ``tasks``) and its memory
+    rewards ``mem`` (``reward.memory_rewards``)."""
+    scored = mem["scored"]
+    question = torch.tensor([trajs[i].group_id for i, _ in scored])
+    adv = memory_advantage(torch.tensor(mem["reward"], dtype=torch.float64), question).tolist()
+    by_round = {key: {"p_mem": pm, "reward": r, "adv": a}
+                for key, pm, r, a in zip(scored, mem["p_mem"], mem["reward"], adv)}
+    out: dict = {"questions": len(tasks), "rollouts": len(trajs)}
+    for name, min_ago in (("", 1), ("_3plus", 3)):
+        measured, varies, pooled, gaps, spread = 0, 0, 0, {"p_mem": [], "reward": [], "adv": []}, []
+        for q in range(len(tasks)):
+            rollouts = [i for i, tr in enumerate(trajs) if tr.group_id == q]
+            flags = {(i, t): f for i in rollouts for t, f in round_flags(trajs[i], tasks[q], min_ago).items()}
+            per_rollout = {i: min(f for (j, _), f in flags.items() if j == i) for i in {j for j, _ in flags}}
+            if not per_rollout:
+                continue
+            measured += 1
+            varies += 0 in per_rollout.values() and 1 in per_rollout.values()
+            if 0 in flags.values() and 1 in flags.values():         # the pool holds a keeping and a dropping round
+                pooled += 1
+                for key in gaps:
+                    gap = keep_minus_drop({r: v[key] for r, v in by_round.items()}, flags)
+                    if gap is not None:
+                        gaps[key].append(gap)
+                p = [v["p_mem"] for (i, _), v in by_round.items() if trajs[i].group_id == q]
+                spread.append(statistics.pstdev(p) if len(p) > 1 else 0.0)
+        out[f"measured{name}"] = measured
+        out[f"varies{name}"] = varies / measured if measured else float("nan")
+        out[f"varies_rounds{name}"] = pooled / measured if measured else float("nan")
+        for key, xs in gaps.items():
+            out[f"keep_minus_drop_{key}{name}"] = statistics.fmean(xs) if xs else float("nan")
+        out[f"p_mem_std{name}"] = statistics.fmean(spread) if spread else float("nan")
+    rounds = [f for tr in trajs for f in round_flags(tr, tasks[tr.group_id]).values()]
+    out["drop_rounds"] = rounds.count(0) / len(rounds) if rounds else float("nan")
+    out["p_mem"] = statistics.fmean(mem["p_mem"]) if scored else float("nan")
+    out["p_full"] = statistics.fmean(mem["p_full"]) if scored else float("nan")
+    ret = evaluation.memory_retention(trajs, tasks)
+    out["retention_3plus"] = ret["retention_3plus"]
+    out["retention_by_ago"] = ret["retention_by_ago"]
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="a model folder (RUN/sft/, RUN/step_0020, RUN/final)")
+    p.add_argument("--seed", type=int, default=0, help="the RL run's seed: its data order and sampling")
+    p.add_argument("--steps", type=int, nargs="+", default=[0, 1, 2, 3], help="whose RL steps' questions")
+    p.add_argument("--context", default="full", choices=("snail", "full"), help="the rollouts' context")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--questions", type=int, default=16, help="questions a step")
+    p.add_argument("--group", type=int, default=8, help="rollouts a question")
+    p.add_argument("--json", default="", help="also write the JSON line here")
+    a = p.parse_args(argv)
+    device = pick_device("auto")
+    model, tokenizer, prompt = evaluation.load(a.checkpoint, device)
+    cfg = train.Config(seed=a.seed, train_context=a.context, temperature=a.temperature, questions=a.questions,
+                       group=a.group, probe_think=checkpoint.trained_probe_think(evaluation.checkpoint_dir(a.checkpoint)))
+    agent = train.agent_config(cfg, prompt)
+    trajs, tasks, t0 = [], [], time.time()
+    for step in a.steps:
+        step_tasks, tool = train.rl_tasks(cfg, step)
+        batch = train.sample_rollouts(model, tokenizer, step_tasks, len(tasks), cfg, step, tool, agent)
+        trajs += batch
+        tasks += step_tasks
+    with torch.no_grad():
+        mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
+                             think=cfg.probe_think)
+    out = {"checkpoint": a.checkpoint, "seed": a.seed, "steps": a.steps, "context": a.context,
+           "temperature": a.temperature} | variety(trajs, tasks, mem) | {"sec": round(time.time() - t0, 1)}
+    for key in ("questions", "rollouts", "measured", "varies", "varies_3plus", "varies_rounds", "varies_rounds_3plus", "drop_rounds", "p_mem", "p_full",
+                "p_mem_std", "keep_minus_drop_p_mem", "keep_minus_drop_reward", "keep_minus_drop_adv",
+                "keep_minus_drop_adv_3plus", "retention_3plus"):
+        v = out[key]
+        print(f"{key:28s} {v:.3f}" if isinstance(v, float) else f"{key:28s} {v}")
+    print("retention by rounds ago      " + "  ".join(f"{k}: {v:.3f}" for k, v in out["retention_by_ago"].items()))
+    line = json.dumps(out)
+    print("variety " + line)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
