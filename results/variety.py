@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import checkpoint  # noqa: E402
+import data  # noqa: E402
 import eval as evaluation  # noqa: E402
 import train  # noqa: E402
 from grpo import memory_advantage  # noqa: E402
@@ -97,6 +98,8 @@ def variety(trajs: list, tasks: list, mem: dict) -> dict:
         out[f"p_mem_std{name}"] = statistics.fmean(spread) if spread else float("nan")
     rounds = [f for tr in trajs for f in round_flags(tr, tasks[tr.group_id]).values()]
     out["drop_rounds"] = rounds.count(0) / len(rounds) if rounds else float("nan")
+    early = [e for e in map(data.early_answer, trajs) if e is not None]
+    out["early"] = statistics.fmean(early) if early else float("nan")
     out["p_mem"] = statistics.fmean(mem["p_mem"]) if scored else float("nan")
     out["p_full"] = statistics.fmean(mem["p_full"]) if scored else float("nan")
     ret = evaluation.memory_retention(trajs, tasks)
@@ -132,8 +135,8 @@ def main(argv=None) -> None:
                              think=cfg.probe_think)
     out = {"checkpoint": a.checkpoint, "seed": a.seed, "steps": a.steps, "context": a.context,
            "temperature": a.temperature} | variety(trajs, tasks, mem) | {"sec": round(time.time() - t0, 1)}
-    for key in ("questions", "rollouts", "measured", "varies", "varies_3plus", "varies_rounds", "varies_rounds_3plus", "drop_rounds", "p_mem", "p_full",
-                "p_mem_std", "keep_minus_drop_p_mem", "keep_minus_drop_reward", "keep_minus_drop_adv",
+    for key in ("questions", "rollouts", "measured", "varies", "varies_3plus", "varies_rounds",
+                "varies_rounds_3plus", "drop_rounds", "early", "p_mem", "p_full", "p_mem_std", "keep_minus_drop_p_mem", "keep_minus_drop_reward", "keep_minus_drop_adv",
                 "keep_minus_drop_adv_3plus", "retention_3plus"):
         v = out[key]
         print(f"{key:28s} {v:.3f}" if isinstance(v, float) else f"{key:28s} {v}")
