@@ -1,4 +1,7 @@
-"""Performance of the rollout engine, the reward pass and one training step, measured side by side.
+"""Performance of the rollout engine, the reward pass and one training step, measured side by side: the entry
+point of the figures below. This file holds figures 1-4 (the rollout engine and the reward pass against a
+reference), the table and the JSON line; ``bench_update.py`` holds figures 5-7 (what one RL step costs: its phases,
+its padding, its processes); ``bench_search.py`` holds figure 8 (retrieval).
 
     python bench.py                 # CPU, tiny default model (a few minutes)
     python bench.py --quick         # CPU, fewer repeats and shorter rounds (under 3 minutes)
@@ -25,7 +28,7 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
    (``rollout_speedup_no_prefix_cache``, ``rollout_prefix_cache_gain`` = on / off). At temperature 0 all
    three must write identical trajectories (checked, and timed too).
 3. **memory-reward scoring** (``scoring_speedup``): ``reward.answer_logprobs`` over the 2N
-   (full_traj, mem_traj) contexts of those trajectories in one call vs two calls of N; ratio of the
+   (round_context, mem_traj) contexts of those trajectories in one call vs two calls of N; ratio of the
    two-call time to the one-call time (> 1: the batched pass is faster), plus the max abs difference.
    At ``memory_rewards``' default token budget (8192, ``scoring_speedup``) and at 65536
    (``scoring_speedup_budget_65536``). On CPU both are capped at ``reward.CPU_TOKENS`` (2048), so the two
@@ -36,8 +39,9 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
    generation (prefill + 30 new tokens, batch 8) timed at each, ``snail`` vs ``full`` context.
    The ratio is seconds at round 64 over seconds at round 8 for snail; the prompt-token ratio is
    printed beside it, since the snail prompt itself grows (``<mem>`` keeps one entry per objective).
-5. **a training step**: ``train.rl_step`` with the default config (``train.parse_args([])``) split into
-   rollout / reward / update seconds, and the peak RSS of this process (peak CUDA memory on a GPU).
+5. **a training step** (5-7 in ``bench_update.py``): ``train.rl_step`` with the default config
+   (``train.parse_args([])``) split into rollout / reward / update seconds, and the peak RSS of this
+   process (peak CUDA memory on a GPU).
 6. **padding waste** (``padding_waste``): the fraction of token positions of the update forward that
    are padding, for the round samples of one step cut unsorted into the same number of micro-batches
    (before) and by ``grpo.micro_batches`` (sorted by length, token budget; after); then, for
@@ -54,7 +58,7 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
 
 A table on stdout, then ONE JSON line last. The agent loop needs a model that writes valid rounds:
 ``--checkpoint``, else ``runs/default/final``, else ``runs/bench_sft/final``, which the first run
-trains with ``train.SMALL_SFT_ARGS`` (the test suite's SFT recipe too; a few minutes; not counted in the
+trains with ``config.SMALL_SFT_ARGS`` (the test suite's SFT recipe too; a few minutes; not counted in the
 ``--quick`` budget) and later runs reuse. With ``--model-shape qwen2.5-0.5b`` the model is random
 (Qwen2.5-0.5B's body, the world tokenizer's vocabulary), so its rounds rarely end in an action:
 trajectories are one round, nothing is scored in 3, and the update of 5 is skipped (all scores 0).
@@ -62,15 +66,10 @@ trajectories are one round, nothing is scored in 3, and the update of 5 is skipp
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import random
-import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import replace
 from unittest import mock
@@ -79,8 +78,9 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from bench_search import bench_search, print_search, search_sizes, search_summary, step_searches
+from bench_update import bench_padding, bench_processes, bench_train_step, print_update, step_seconds, sync
+import config
 import data
-import grpo
 import models
 import rollout
 import train
@@ -96,7 +96,7 @@ DEFAULT_CHECKPOINTS = ["runs/default/final", "runs/bench_sft/final"]
 QUICK_SFT, QUICK_PROTOCOL = "runs/bench_quick_sft/final", "runs/bench_quick_protocol/final"
 QUICK_SFT_ARGS = ["--sft-copy-steps", "150", "--sft-steps", "250", "--sft-batch", "32", "--rl-steps", "0",
                   "--forget-p", "0.5", "--sft-objectives", "1-2", "--hops", "1-2",
-                  "--eval-every", "0"] + train.EXPERT_ROWS_ONLY
+                  "--eval-every", "0"] + config.EXPERT_ROWS_ONLY
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, rope_theta=1_000_000.0, tie_word_embeddings=True)
 
@@ -118,7 +118,7 @@ def load(args, device: torch.device):
     own = QUICK_SFT if args.quick else DEFAULT_CHECKPOINTS[-1]
     path = args.checkpoint or next((p for p in DEFAULT_CHECKPOINTS + [own] if os.path.exists(p)), "")
     if not path:                       # train a policy once (quick: a shorter recipe); later runs reuse it
-        recipe = QUICK_SFT_ARGS if args.quick else train.SMALL_SFT_ARGS
+        recipe = QUICK_SFT_ARGS if args.quick else config.SMALL_SFT_ARGS
         train.main(["--run", os.path.dirname(own), "--device", device.type] + recipe)
         path = own
     return models.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
@@ -149,11 +149,6 @@ def protocol_model(args, model, tok, source: str, device: torch.device):
                     "--device", device.type] + steps)
     return models.load_model(path, device).eval(), AutoTokenizer.from_pretrained(path), path
 
-
-def sync(device: torch.device) -> None:
-    """Wait for queued GPU work, so that wall-clock times are the work's."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def side_by_side(fns: dict, repeats: int, device: torch.device, warm_up: bool = True) -> dict[str, float]:
@@ -204,7 +199,7 @@ def naive_rollout(*args, **kwargs):
         return rollout.rollout(*args, **kwargs)
 
 
-# --------------------------------------------------------------------------- the six figures
+# --------------------------------------------------------------------------- figures 1-4 (5-7: bench_update.py)
 
 def bench_decode(model, tok, device, n_new: int, repeats: int, batch: int = 64) -> dict:
     """Figure 1: tokens/s of ``generate`` vs ``model.generate`` (B=64, sampling), and greedy parity."""
@@ -268,7 +263,7 @@ def bench_rollout(model, tok, device, cfg: train.Config, repeats: int, max_new: 
 
 
 def scoring_pairs(tok, trajs) -> tuple[list, list, list]:
-    """(full_traj, mem_traj, answer ids) of every round after the first with a ``<mem>`` span: what
+    """(round_context, mem_traj, answer ids) of every round after the first with a ``<mem>`` span: what
     ``memory_rewards`` scores."""
     scored = [(t, r) for t in trajs for i, r in enumerate(t.rounds) if i >= 1 and r.mem_end > 0]
     return ([r.context_ids for _, r in scored], [mem_traj(t.prompt_ids, r.round_ids, r.mem_end) for t, r in scored],
@@ -298,7 +293,8 @@ def expert_pairs(tok, n: int, system_prompt: str) -> tuple[list, list, list]:
 
 
 def bench_scoring(model, tok, device, pairs: tuple[list, list, list], repeats: int, budgets=(65536, 8192)) -> dict:
-    """Figure 3: one ``answer_logprobs`` call over the 2N contexts of ``pairs`` vs two calls over N, per token budget."""
+    """Figure 3: one ``answer_logprobs`` call over the 2N contexts of ``pairs`` vs two calls over N, per token
+    budget."""
     full, mem, ans = pairs
     if not full:
         return {"n": 0}
@@ -358,80 +354,6 @@ def bench_context(model, tok, device, repeats: int, quick: bool, n_new: int = 30
     return res
 
 
-def bench_train_step(model, tok, device, steps: int) -> dict:
-    """Figure 5: ``train.rl_step`` seconds by phase (on a copy of the model) and peak memory."""
-    cfg = train.parse_args([])
-    model = copy.deepcopy(model)            # the update changes the weights; the other figures keep theirs
-    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, context=cfg.train_context, max_turns=cfg.max_turns,
-                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    rows = [train.rl_step(model, None, tok, opt, cfg, step, agent) for step in range(steps)]
-    med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)
-    out = {k: med(k) for k in ("sec_rollout", "sec_reward", "sec_update", "padding_waste")}
-    out["skipped_updates"] = sum("skipped" in r for r in rows)       # e.g. every score tied: nothing to learn
-    if out["skipped_updates"]:     # a random model ties every score: time the update on random +-1 advantages
-        tasks, tool = train.rl_tasks(cfg, 0)
-        trajs = rollout.rollout(model, tok, tasks, cfg.group, tool, agent, torch.Generator(device).manual_seed(0))
-        adv = torch.tensor([(-1.0) ** i for i in range(len(trajs))])
-        samples = train.build_samples(trajs, adv, {})
-        t0 = time.perf_counter()
-        train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
-        sync(device)
-        out["sec_update_forced"] = time.perf_counter() - t0
-        out["update_rows"] = len(samples)
-        out["update_tokens"] = sum(len(s.ids) for s in samples)
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if device.type == "cuda":
-        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    return out
-
-
-def bench_padding(trajs, cfg: train.Config) -> dict:
-    """Figure 6: padding fraction of the update forward, unsorted vs ``grpo.micro_batches``."""
-    samples = train.build_samples(trajs, torch.zeros(len(trajs)), {})
-    after = grpo.micro_batches(samples, cfg.micro_tokens)
-    size = -(-len(samples) // len(after))                     # same number of micro-batches, unsorted
-    before = [samples[i:i + size] for i in range(0, len(samples), size)]
-    small = grpo.micro_batches(samples, cfg.micro_tokens // 4)
-    return {"rows": len(samples), "micro_batches": len(after), "before": grpo.padding_waste(before),
-            "after": grpo.padding_waste(after), "small_budget": grpo.padding_waste(small),
-            "small_budget_batches": len(small)}
-
-
-def bench_processes(model, tok, source: str, device: torch.device, procs: list[int], steps: int) -> dict:
-    """Figure 7: seconds per RL step (default config) of ``torchrun --nproc_per_node N train.py``, per N.
-
-    Each N is a fresh run of ``steps`` RL steps from the same model; the step time is the median over
-    steps after the first (warm-up) of sec_rollout + sec_reward + sec_update (each the slowest rank's).
-    """
-    here = os.path.dirname(os.path.abspath(__file__))
-    res = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = source if os.path.isdir(source) else os.path.join(tmp, "model")
-        if path != source:                      # a random model: save it so that every rank loads it
-            model.save_pretrained(path)
-            tok.save_pretrained(path)
-        for n in procs:
-            run = os.path.join(tmp, f"run{n}")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-                   "train.py", "--run-dir", run, "--model", path, "--device", device.type, "--rl-steps", str(steps),
-                   "--eval-every", "0", "--save-every", "1000000"]
-            t0 = time.time()
-            p = subprocess.run(cmd, cwd=here, capture_output=True, text=True)
-            if p.returncode != 0:                 # reported in the table, the other figures still print
-                res[n] = {"sec_step": float("nan"), "wall_s": time.time() - t0, "skipped": 0,
-                          "error": (p.stderr.strip().splitlines() or ["?"])[-1][:200]}
-                print(f"figure 7, {n} processes failed:\n{p.stderr[-3000:]}")
-                continue
-            rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-            secs = [r["sec_rollout"] + r["sec_reward"] + r["sec_update"] for r in rows[1:] or rows]
-            res[n] = {"sec_step": statistics.median(secs), "wall_s": time.time() - t0,
-                      "skipped": sum("skipped" in r for r in rows)}
-    return res
-
-
 # --------------------------------------------------------------------------- main
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -442,7 +364,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model folder (default: runs/default/final, else runs/bench_sft/final, trained on first use)")
     p.add_argument("--protocol-checkpoint", default="",
                    help="figure 2's policy under the protocol prompt: the checkpoint adapted to it (default "
-                        "runs/bench_protocol/final; --quick without it: runs/bench_quick_protocol/final; made on first use)")
+                        "runs/bench_protocol/final; --quick without it: runs/bench_quick_protocol/final; "
+                        "made on first use)")
     p.add_argument("--model", default="",
                    help="a model from elsewhere: a model folder, a .gguf file or smollm2 (SmolLM2-135M-Instruct): "
                         "figures 1-3 only, at the sizes of REAL_SIZES (a few minutes on one CPU thread)")
@@ -471,7 +394,8 @@ def figures(args, device: torch.device, repeats: int) -> dict:
 
     with models.autocast(cfg.precision, device):         # the training forward: bf16 autocast on CUDA, fp32 on CPU
         dec = bench_decode(model, tok, device, n_new, repeats)
-        # the real-model path's protocol prompt (hundreds of tokens), then the checkpoint's own prompt (what it trained on)
+        # the real-model path's protocol prompt (hundreds of tokens), then the checkpoint's own prompt (what it
+        # trained on)
         own_prompt = rollout.checkpoint_prompt(source) if os.path.isdir(source) else PROTOCOL_PROMPT
         ro = bench_rollout(p_model, p_tok, device, cfg, repeats, cfg.max_new_tokens, PROTOCOL_PROMPT)
         ro_own = (bench_rollout(model, tok, device, cfg, repeats, cfg.max_new_tokens, own_prompt, greedy=False)
@@ -487,10 +411,6 @@ def figures(args, device: torch.device, repeats: int) -> dict:
     ss = step_searches(model, tok, device)
     return dict(dec=dec, ro=ro, ro_own=ro_own, sc=sc, pad=pad, st=st, cx=cx, pr=pr, procs=procs, n_new=n_new,
                 source=source, p_source=p_source, micro_tokens=cfg.micro_tokens, se=se, ss=ss)
-
-
-def step_seconds(st: dict) -> float:
-    return st["sec_rollout"] + st["sec_reward"] + st["sec_update"]
 
 
 # --model: figures 1-3 sized for a 135M model on one CPU thread (SmolLM2: ~4 minutes with the load; 1 repeat =
@@ -530,8 +450,8 @@ def print_real_table(f: dict, device: torch.device, repeats: int) -> None:
     for key, temp in (("sampled", "T=1"), ("greedy", "T=0")):
         x = ro[key]
         row(f"2 rollout traj/s ({z['questions']} x G={z['group']}, {temp})", x["on_traj_s"], x["naive_traj_s"],
-            x["speedup"], f"protocol prompt ({ro['prefix_tokens']:.0f}-token prefix) vs model.generate per round; cache "
-            f"off {x['off_traj_s']:.3f} traj/s, on/off {x['on_vs_off']:.2f}; rounds/traj {x['rounds_on']:.2f}"
+            x["speedup"], f"protocol prompt ({ro['prefix_tokens']:.0f}-token prefix) vs model.generate per round; "
+            f"cache off {x['off_traj_s']:.3f} traj/s, on/off {x['on_vs_off']:.2f}; rounds/traj {x['rounds_on']:.2f}"
             + (f"; identical trajectories {x['identical']}" if "identical" in x else ""))
     if sc["n"]:
         x = sc[8192]
@@ -548,7 +468,8 @@ def real_summary(f: dict, device: torch.device, repeats: int, seconds: float) ->
             "decode_tok_s": {"ours": r3(dec["ours_tok_s"]), "hf": r3(dec["hf_tok_s"])},
             "greedy_parity": dec["greedy_parity"], "rollout_greedy_identical": ro["greedy"]["identical"],
             "rollout_traj_s": {k: r3(ro["sampled"][f"{k}_traj_s"]) for k in ("on", "off", "naive")},
-            "rollout_rounds_per_traj": r3(ro["sampled"]["rounds_on"]), "rollout_prefix_tokens": round(ro["prefix_tokens"]),
+            "rollout_rounds_per_traj": r3(ro["sampled"]["rounds_on"]),
+            "rollout_prefix_tokens": round(ro["prefix_tokens"]),
             "scoring_s": {k: r3(sc[8192][k]) for k in ("one_2n_s", "two_n_s")} if sc["n"] else None,
             "sizes": REAL_SIZES, "model": f["source"], "device": str(device), "threads": torch.get_num_threads(),
             "repeats": repeats, "date": time.strftime("%Y-%m-%d"), "seconds": round(seconds)}
@@ -592,20 +513,7 @@ def print_table(f: dict, args, device: torch.device, repeats: int) -> None:
     tok_growth = cx["snail_64"]["prompt_tokens"] / cx["snail_8"]["prompt_tokens"]
     print(f"  round 64 / round 8 seconds: snail {cx['snail_ratio_64_vs_8']:.2f} (its prompt grows {tok_growth:.2f}x: "
           f"<mem> keeps one entry per objective)   full {cx['full_ratio_64_vs_8']:.2f}")
-    print(f"5 train step (default config, median of {args.train_steps or (1 if args.quick else 2)}): rollout "
-          f"{st['sec_rollout']:.2f} s  reward {st['sec_reward']:.2f} s  update {st['sec_update']:.2f} s  "
-          f"peak RSS {st['peak_rss_mb']:.0f} MB  skipped updates {st['skipped_updates']}"
-          + (f"  peak CUDA {st['peak_cuda_mb']:.0f} MB" if "peak_cuda_mb" in st else "")
-          + (f"\n  every update skipped (scores tied): one update on random +-1 advantages, {st['update_rows']} rows, "
-             f"{st['update_tokens']} tokens: {st['sec_update_forced']:.2f} s" if "sec_update_forced" in st else ""))
-    print(f"6 padding waste, {pad['rows']} round samples of one step: unsorted in {pad['micro_batches']} "
-          f"micro-batches {pad['before']:.3f} | grpo.micro_batches (sorted, budget {micro}) "
-          f"{pad['after']:.3f} | same at budget {micro // 4} ({pad['small_budget_batches']} micro-batches) "
-          f"{pad['small_budget']:.3f}")
-    print(f"7 step time, torchrun --nproc_per_node N train.py (default config, B={train.Config.questions} questions "
-          f"split over N): "
-          + "  ".join(f"N={n} {x['sec_step']:.2f} s ({pr[procs[0]]['sec_step'] / x['sec_step']:.2f}x)" for n, x in pr.items())
-          + ("  [CPU: a smoke test, the ranks share the cores]" if device.type == "cpu" else ""))
+    print_update(st, pad, pr, procs, micro, args.train_steps or (1 if args.quick else 2), device)
     print_search(f["se"], f["ss"], step_seconds(st))
 
 

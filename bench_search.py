@@ -109,7 +109,8 @@ def bench_search(sizes: list[int], url: str = "") -> list[dict]:
     """Figure 8's rows, each in a fresh process."""
     ctx = multiprocessing.get_context("spawn")
     rows = []
-    jobs = [(n, b, "") for n in sizes for b in ("rank-bm25", "index", "server") if not (b == "rank-bm25" and n > 100_000)]
+    jobs = [(n, b, "") for n in sizes for b in ("rank-bm25", "index", "server")
+            if not (b == "rank-bm25" and n > 100_000)]
     for n, b, u in jobs + ([(10_000, "url", url)] if url else []):
         out = ctx.Queue()
         p = ctx.Process(target=search_row, args=(n, b, u, out))

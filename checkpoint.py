@@ -283,6 +283,15 @@ def log_jsonl(path: str, row: dict) -> None:
         log(row)
 
 
+def write_page(path: str, text: str, run: str) -> None:
+    """Write an HTML page of the run (``--viz-every``), rank 0; a full disk is one line (``writing``)."""
+    if dist.DIST.rank != 0:       # torchrun: every rank built the page of its own questions, rank 0 writes its
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with writing(path, run), open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 REPORTERS: list = []     # (log(row), close()) of each --report-to backend (open_reporters)
 
 

@@ -13,13 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StaticCache
 
+import config
 import data
 import train
 from reward import _check_round, outcome_reward
 from rollout import AgentConfig, rollout
 from search import SearchTool
 
-SFT_ARGS = train.SMALL_SFT_ARGS
+SFT_ARGS = config.SMALL_SFT_ARGS
 # 400 SFT steps (SMALL_SFT_ARGS) are at the edge: with some CPU kernels (AVX2, 1 or 2 threads) the policy writes
 # 0 valid trajectories of 16 where others write enough; at 800 it writes 16 of 16. A second, longer run is the
 # fallback before the fixture gives up.

@@ -126,7 +126,8 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
         lo = 0 if context == "full" else t - 1
         entry = lambda text, k: " ".join(data.parse_mem(extract_mem(text) or "").get(k, []))   # objective k's path
 
-        def found(k: int, fact: tuple[str, str, str]) -> bool:   # an earlier <mem> entry k holds it, or its search showed it
+        # an earlier <mem> entry k holds it, or its search showed it
+        def found(k: int, fact: tuple[str, str, str]) -> bool:
             return any(_has_fact(entry(x.text, k), fact)
                        or (x.action == "search" and parse_action(x.text)[1].split() == list(fact[:2])
                            and j < len(tools) and _has_fact(tools[j], fact))
@@ -137,7 +138,8 @@ def probe_by_found(model, tokenizer, trajs: list, tasks: list, threshold: float 
             cols = (objs == k).nonzero().flatten()
             lp_full, lp_mem = m["word_logp_full"][r, cols].sum().item(), m["word_logp_mem"][r, cols].sum().item()
             fact = obj.chain[-1]
-            label = "not found" if not found(k, fact) else "kept" if _has_fact(entry(tr.rounds[t].text, k), fact) else "dropped"
+            label = ("not found" if not found(k, fact)
+                     else "kept" if _has_fact(entry(tr.rounds[t].text, k), fact) else "dropped")
             acc[label].append((math.exp(lp_full), math.exp(lp_mem)))
             labels.append(label)
         rl = "dropped" if "dropped" in labels else "kept" if "kept" in labels else "none found"

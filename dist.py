@@ -1,8 +1,12 @@
 """torchrun: the process group, the DDP / FSDP2 wrappers, and the few collectives the trainer needs.
 
-Plumbing, kept out of the algorithm: ``train.rl_step`` touches it at three places (this rank's share of
-the questions, the gathered metrics, the update), ``sft.run_sft`` and ``train.ppo_update`` through
-``update_module`` / ``grad_sync`` / ``all_sum``, and ``checkpoint.py`` through ``full_state``.
+Plumbing, kept out of the algorithm. One RL step (``train.rl_step``) meets the other ranks at three named points:
+``my_share`` (this rank's questions, rolled out and scored alone), ``metrics.rl_metrics`` (``gather_metrics``) and
+``train.update``, which sends a torchrun step to ``ppo.ppo_update``: every collective of the update (global
+denominators, ``backward``, ``grad_sync``, ``even_micro_batches``, ``any_rank``) is there, and the default
+single-process update (``train.reinforce_update``) has none. Around the step: ``train.run_rl`` (the slowest rank's
+seconds, rank 0's evaluation), ``sft.run_sft`` (``update_module`` / ``grad_sync`` / ``all_sum``) and
+``checkpoint.py`` (``full_state``; rank 0 writes).
 
   torchrun --standalone --nproc_per_node 8 train.py --run-dir runs/x ...       (one node, 8 GPUs)
 
@@ -164,7 +168,7 @@ def seq_key(s: Sample) -> tuple:
 
 
 def denominators(samples: list[Sample]) -> dict:
-    """Every loss denominator of ``ppo_update`` for the WHOLE batch (micro-batches split trajectories) and, under
+    """Every loss denominator of ``ppo.ppo_update`` for the WHOLE batch (micro-batches split trajectories) and, under
     torchrun, the GLOBAL one: policy tokens and sequences summed over ranks in one all_reduce; per sequence
     (= trajectory) its policy tokens, local, since a trajectory's rows never leave its rank."""
     seq_tokens: dict = {}
@@ -286,7 +290,7 @@ def load_optimizer(model, optimizer, osd: dict) -> None:
     set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
 
 
-# --------------------------------------------------------------------------- the three places rl_step touches
+# --------------------------------------------------------------------------- where rl_step meets the other ranks
 
 @contextlib.contextmanager
 def my_share(model, tasks: list, what: str):

@@ -1,6 +1,7 @@
 """The command line: what each flag accepts, checked at parse time, and one line for every bad flag.
 
-Every entry point (train.py and its recipes, eval.py, diagnostics.py, sft.py, search.py, bench.py) builds a ``FlagParser``
+Every entry point (train.py and its recipes, eval.py, diagnostics.py, sft.py, search.py, bench.py) builds a
+``FlagParser``
 and gives each flag an ``Accepts`` as its argparse ``type``; a Config field declares it beside its default
 with ``flag(16, "questions per RL step", min=1)``. A value a flag does not accept stops the script before
 any model loads with ``error: --flag VALUE: why`` on stderr and exit status 2, without a usage screen.

@@ -1,4 +1,5 @@
-"""GRPO advantages and the clipped PPO loss, with MemPO's memory advantage: pure functions, to copy out.
+"""GRPO advantages with MemPO's memory advantage, the per-token advantages and log-probs, the training rows, and
+PPO's clipped loss: pure functions, to copy out.
 
 GRPO samples G rollouts per question (a *group*) and uses the group itself as the baseline; MemPO adds an
 advantage for each round's memory, its reward (P_mem - P_full, reward.py) normalised the same way over a pool of
@@ -8,10 +9,11 @@ every trajectory AND every round of the same question:
     A_M[i, t] = (mem_reward[i, t] - mean_pool) / (std_pool + eps)        memory, one per round
     A         = A_T + w * A_M on round t's <mem>...</mem> tokens, A_T on the other sampled tokens
 
-The loss is PPO's clipped surrogate on per-token ratios rho = exp(logp - logp_old), aggregated over tokens
-(verl's default) or per trajectory first (the paper's Eq. 10). With one optimizer step per batch (train.py's
-default) old_logp is the same forward's, rho = 1 and the clip never acts: the update is REINFORCE with the group
-baseline. Mask convention: 1 = sampled by the policy, 0 = prompt, tool output, padding. std is the unbiased one
+train.py's default update needs no more than these: -(A * logp) over the policy tokens, one optimizer step
+(``train.reinforce_update``). ``policy_loss`` is PPO's clipped surrogate on per-token ratios rho = exp(logp -
+logp_old), aggregated over tokens (verl's default) or per trajectory first (the paper's Eq. 10), for ppo.py's
+epochs and mini-batches; at its first step rho = 1 and the clip never acts, the same gradient.
+Mask convention: 1 = sampled by the policy, 0 = prompt, tool output, padding. std is the unbiased one
 (torch.std, verl's): a group of scores [1,0,1,1,0] gets +0.7303 / -1.0954, not the population std's +0.8 / -1.2.
 
 Left out: sampling, the reference model and the optimizer (the caller's); a value model (GRPO has none). Here
@@ -79,7 +81,7 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature
     0 at t = 0 and wherever the token or its predecessor is padding, so a left-padded row gives exactly the
     numbers of the same row run alone.
     """
-    if position_ids is None:  # left padding: real tokens count from 0
+    if position_ids is None:  # padding on either side: real tokens count from 0 (collate pads right)
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=position_ids).logits[:, :-1]                           # (B, T-1, V)

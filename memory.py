@@ -17,7 +17,8 @@ Deviations from the original code, each on purpose:
   ``<mem>``, so the model sees ``<mem><mem> ...``. Here ``llm_gen.text`` is the round
   exactly as the model wrote it (forced prefix included) and goes back unchanged.
 * ``keep_rounds`` generalises the fixed "2nd tool result" cut (1 = the original).
-* ``short_text`` of a webpage is its first ``webpage_chars`` characters (100 in the original), configurable; search results keep their full text, as in the original.
+* ``short_text`` of a webpage is its first ``webpage_chars`` characters (100 in the original), configurable; search
+  results keep their full text, as in the original.
 
 ``mem_traj`` for the memory reward = the initial prompt (system + question + generation prompt)
 followed by the round's tokens cut right after ``</mem>``.

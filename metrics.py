@@ -45,8 +45,7 @@ def metric_values(trajs, outs: list[dict], mem: dict | None, group_ids: list[int
               "no_signal": [mem["no_signal_frac"] * mem["n"]]}
         # each pool's (std, sum |A_M|): the stds the advantages are divided by, and where their magnitude goes
         flat_adv = [adv_m[k] for k in mem["scored"]]
-        pool_w = memory_pool_weights(mem["reward"], flat_adv, [group_ids[i] for i, _ in mem["scored"]],
-                                     [t for _, t in mem["scored"]], mem_adv_norm)
+        pool_w = memory_pool_weights(mem["reward"], flat_adv, [group_ids[i] for i, _ in mem["scored"]], mem_adv_norm)
         no_signal = [a == 0 and b == 0 for a, b in zip(mem["mask_mem"], mem["mask_full"])]
         # the round each A_M lands on: an answer given early (before the question's last hop), another answer, a search
         kind = ["early" if trajs[i].rounds[t].action == "answer" and data.early_answer(trajs[i])

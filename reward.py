@@ -9,11 +9,13 @@ split on ``;``, part k against objective k's aliases:
 **Memory reward** (the paper's extra forward pass). For trajectory i and every round t >= 1 (rounds count from 0:
 every round after the first) whose ``<mem>`` closed:
 
-    full_traj[i,t] = the exact context the model saw before round t (no forced prefix)
-    mem_traj[i,t]  = system + question + round t cut right after </mem>          (memory.mem_traj)
-    answer         = "<think> probe </think> <answer> g1 ; ... ; gK </answer>", ans_mask = the gold words
-    P              = exp(mean(logp_word over ans_mask & (logp_word > log threshold)))
-    mem_reward[i,t] = P_mem - P_full
+    round_context[i,t] = the exact context the model saw before round t (no forced prefix): the paper's
+                         full_traj, the whole trajectory so far where rollouts see it (--train-context full),
+                         the snail shell where they see that (the default)
+    mem_traj[i,t]      = system + question + round t cut right after </mem>      (memory.mem_traj)
+    answer             = "<think> probe </think> <answer> g1 ; ... ; gK </answer>", ans_mask = the gold words
+    P                  = exp(mean(logp_word over ans_mask & (logp_word > log threshold)))
+    mem_reward[i,t]    = P_mem - P_full
 
 All 2N (context, answer) pairs go through one no-grad pass, in micro-batches; grpo.py normalises the rewards.
 The math works on token ids (``p_mem_minus_p_full``); ``memory_rewards`` picks the rounds and builds their two
@@ -271,12 +273,12 @@ def answer_prob(logp: Tensor, ans_mask: Tensor, threshold: float = 0.5,
     return torch.where(n > 0, mean.exp(), torch.zeros_like(mean))
 
 
-def p_mem_minus_p_full(model, full_traj: list[list[int]], mem_traj: list[list[int]], answers: list[list[int]],
+def p_mem_minus_p_full(model, round_context: list[list[int]], mem_traj: list[list[int]], answers: list[list[int]],
                        ans_masks: list[list[int]], pad_id: int, threshold: float = THRESHOLD,
                        mask_mode: str = MEM_MASK, token_budget: int = 8192) -> dict[str, Tensor]:
     """MemPO's memory reward of N rounds given as token ids, all 2N (context, answer) pairs in one no-grad pass.
 
-    ``full_traj[n]`` / ``mem_traj[n]``: round n's two contexts; ``answers[n]`` / ``ans_masks[n]``: its gold
+    ``round_context[n]`` / ``mem_traj[n]``: round n's two contexts; ``answers[n]`` / ``ans_masks[n]``: its gold
     answer template and gold word numbers (``answer_template``). ``mask_mode="full"`` judges both P on the
     words the full context is confident on. Returns (N,) tensors ``mem_reward`` = ``p_mem`` - ``p_full`` and
     ``n_mem`` / ``n_full`` (confident gold words), and (N, W) ``word_logp_mem`` / ``word_logp_full``.
@@ -284,8 +286,8 @@ def p_mem_minus_p_full(model, full_traj: list[list[int]], mem_traj: list[list[in
     if mask_mode not in ("separate", "full"):
         raise ValueError(f"unknown mask_mode {mask_mode!r}")
     N = len(answers)
-    # one no-grad pass in micro-batches: log p of every answer token, full_traj rows then mem_traj rows, zero-padded
-    logps = answer_logprobs(model, full_traj + mem_traj, answers + answers, pad_id, token_budget) if N else []
+    # one no-grad pass in micro-batches: log p of every answer token, round_context rows then mem_traj rows, zero-padded
+    logps = answer_logprobs(model, round_context + mem_traj, answers + answers, pad_id, token_budget) if N else []
     A = max((len(a) for a in answers), default=0)
     logp = torch.zeros(2 * N, A)                                                   # (2N, A)
     words = torch.zeros(N, A, dtype=torch.long)                                    # (N, A) gold word numbers
@@ -312,7 +314,7 @@ def memory_rewards(model, tokenizer, trajs: list, threshold: float = THRESHOLD, 
     """``p_mem_minus_p_full`` of every round t >= 1 of ``trajs`` whose ``<mem>`` closed (rollout.Trajectory's fields).
 
     Reads ``tr.golds``, ``tr.prompt_ids`` (system + question + generation prompt) and, per round,
-    ``context_ids`` (full_traj), ``round_ids`` and ``mem_end`` (its leading ``<mem>...</mem>`` tokens, 0 = none).
+    ``context_ids`` (round_context), ``round_ids`` and ``mem_end`` (its leading ``<mem>...</mem>`` tokens, 0 = none).
     Returns one dict of per-round values, all in the order of ``scored``, the N (trajectory i, round t) pairs:
     ``reward`` (P_mem - P_full), ``p_mem`` / ``p_full`` and ``mask_mem`` / ``mask_full`` (P and its count of
     confident gold words), ``word_logp_mem`` / ``word_logp_full`` (N, W); and ``n`` = N, ``empty_frac`` /
@@ -322,10 +324,10 @@ def memory_rewards(model, tokenizer, trajs: list, threshold: float = THRESHOLD, 
     N = len(scored)
     templates = {i: answer_template(tokenizer, trajs[i].golds, think) for i, _ in scored}
     rounds = [trajs[i].rounds[t] for i, t in scored]
-    full_traj = [r.context_ids for r in rounds]
+    round_context = [r.context_ids for r in rounds]
     mem_trajs = [mem_traj(trajs[i].prompt_ids, r.round_ids, r.mem_end) for (i, _), r in zip(scored, rounds)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out = p_mem_minus_p_full(model, full_traj, mem_trajs, [templates[i][0] for i, _ in scored],
+    out = p_mem_minus_p_full(model, round_context, mem_trajs, [templates[i][0] for i, _ in scored],
                              [templates[i][1] for i, _ in scored], pad_id, threshold, mask_mode, token_budget)
     # empty_frac: a probe with no confident answer word on either side; with separate masks that includes a
     # dropped answer (P_full confident, P_mem empty: a strong negative reward). no_signal_frac: NEITHER probe

@@ -8,7 +8,7 @@ Per round, for every live trajectory,
     tool     = BM25 search (top-k docs) | access (one whole document) | answer -> done
 
 and records what the memory reward and the update need (``Round``): the exact context ids the model saw
-(``full_traj``), the forced prefix, the sampled ids, and, computed once, the ``<mem>...</mem>`` span and the
+(``round_context``), the forced prefix, the sampled ids, and, computed once, the ``<mem>...</mem>`` span and the
 sampled span in the positions of ``context + prefix + output`` (``Round.mem_span``, ``Round.policy_span``). In
 ``full`` mode a round's context is the trajectory so far, so the same positions place the round in the
 trajectory's one growing row. Rounds count from 0: round 0 is the first, with no forced prefix.
@@ -64,7 +64,7 @@ def checkpoint_prompt(path: str) -> str:
 
 @dataclass
 class Round:
-    """One LLM generation: what it saw (``context_ids`` = full_traj), the forced prefix, what it sampled."""
+    """One LLM generation: what it saw (``context_ids`` = round_context), the forced prefix, what it sampled."""
     context_ids: list[int]
     prefix_ids: list[int]
     output_ids: list[int]

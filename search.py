@@ -169,7 +169,8 @@ def build_index(docs: list[dict], path: str, k1: float = 1.5, b: float = 0.75, e
     offsets = [0]
     with open(os.path.join(path, "docs.jsonl"), "wb") as f:
         for d in docs:
-            offsets.append(offsets[-1] + f.write(json.dumps({"id": d["id"], "contents": d["contents"]}).encode() + b"\n"))
+            line = json.dumps({"id": d["id"], "contents": d["contents"]}).encode() + b"\n"
+            offsets.append(offsets[-1] + f.write(line))
     np.save(os.path.join(path, "doc_start.npy"), np.array(offsets, np.int64))
     with open(os.path.join(path, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump(list(vocab), f)
@@ -257,7 +258,8 @@ def parse_reply(raw: bytes, n_queries: int) -> Hits:
             raise ValueError("a query's result is not a list")
         row = []
         for it in items:
-            doc, score = (it["document"], it.get("score", 0.0)) if isinstance(it, dict) and "document" in it else (it, 0.0)
+            doc, score = ((it["document"], it.get("score", 0.0)) if isinstance(it, dict) and "document" in it
+                          else (it, 0.0))
             if not isinstance(doc, dict) or not isinstance(doc.get("contents"), str):
                 raise ValueError("a result document has no string 'contents'")
             row.append(({"id": doc_id(doc), "contents": doc["contents"]}, float(score)))
@@ -292,7 +294,8 @@ class SearchClient(Retriever):
             try:
                 hits = self.post(queries, top_k, self.timeout)
                 break
-            # OSError: refused, timeout, HTTP status (urllib.error); HTTPException: a reply cut short; ValueError: bad JSON
+            # OSError: refused, timeout, HTTP status (urllib.error); HTTPException: a reply cut short;
+            # ValueError: bad JSON
             except (OSError, http.client.HTTPException, ValueError) as e:
                 error = e
                 if attempt < self.retries:

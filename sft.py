@@ -87,7 +87,8 @@ def episode_samples(tokenizer, question: str, rounds: list[tuple[str, str | None
     return out
 
 
-def expert_turns(task: data.Task, tool: SearchTool, forget: bool) -> list[tuple[str, tuple[str, str] | None, str | None]]:
+def expert_turns(task: data.Task, tool: SearchTool,
+                 forget: bool) -> list[tuple[str, tuple[str, str] | None, str | None]]:
     """The scripted expert's episode with the BM25 tool's real results: ``(round text, query, tool result)``."""
     return [(text, q, tool.search(" ".join(q)) if q is not None else None)
             for text, q in data.expert_episode(task, forget)]
@@ -113,7 +114,7 @@ def probe_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, rn
     """Probe rows: teach the policy to answer from BOTH contexts the memory reward scores.
 
     For each expert round t >= 1 (``picked_rounds`` of them; with probability ``p``) two rows, so neither probe is
-    favoured: ``full_traj`` (the round's context as the agent saw it, no forced prefix) -> the answers that
+    favoured: ``round_context`` (the round's context as the agent saw it, no forced prefix) -> the answers that
     context holds (``data.context_answers``), and ``mem_traj`` (prompt + the round's ``<mem>``) -> the
     answers that memory holds (``data.answers_from_mem``); ``unknown`` where there is none. Both end in
     the reward's own template ``<think> probe </think> <answer> a1 ; a2 </answer>``; the loss starts at the
@@ -440,7 +441,8 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
     def on_step(step: int, loss: float, gn: float, sec: float) -> None:
         if step % 50 == 0 or step == cfg.sft_steps - 1:
             row = {"stage": "sft", "step": step, "loss": loss, "grad_norm": gn, "lr": lr(step), "sec": sec}
-            if cfg.eval_every and not cfg.model and (step % 500 == 0 or step == cfg.sft_steps - 1):  # under 1 s once good
+            # under 1 s once good
+            if cfg.eval_every and not cfg.model and (step % 500 == 0 or step == cfg.sft_steps - 1):
                 model.eval()
                 with dist.full_weights(model):
                     if dist.DIST.rank == 0:
@@ -458,7 +460,8 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
 
 # --------------------------------------------------------------------------- the world as files
 
-def export(folder: str, ks: tuple[int, ...] = (1, 2, 4, 6), n: int = 64, episodes: int = 256, seed: int = 0) -> list[str]:
+def export(folder: str, ks: tuple[int, ...] = (1, 2, 4, 6), n: int = 64, episodes: int = 256,
+           seed: int = 0) -> list[str]:
     """Write the embedded world as real-format files, so the file path can be run on it.
 
     ``test_k{K}.jsonl`` (Search-R1 QA: ``question``, ``golden_answers`` as K alias lists) and

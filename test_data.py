@@ -67,7 +67,8 @@ def test_tokenizer_covers_world_and_round_trips(tmp_path):
     tok.save_pretrained(tmp_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok2 = AutoTokenizer.from_pretrained(tmp_path)          # the folder holds config.json too
-    assert tok2.encode(tasks[0].question, add_special_tokens=False) == tok.encode(tasks[0].question, add_special_tokens=False)
+    assert (tok2.encode(tasks[0].question, add_special_tokens=False)
+            == tok.encode(tasks[0].question, add_special_tokens=False))
     msgs = [{"role": "user", "content": "q"}]
     assert tok2.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == \
         tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)

@@ -65,7 +65,7 @@ def single_process_update(agg: str, opt_cls) -> tuple[dict, dict, dict]:
     model = tiny_model(tok)
     cfg = train.parse_args(UPDATE_ARGS + ["--agg", agg])
     opt = opt_cls(model.parameters(), lr=cfg.lr)
-    m = train.ppo_update(model, None, opt, samples(), cfg, tok.pad_token_id)
+    m = train.update(model, None, opt, samples(), cfg, tok.pad_token_id)
     return model.state_dict(), m, opt.state_dict()
 
 
@@ -84,13 +84,13 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         for agg in ("token-mean", "seq-mean-token-mean"):
             model = dist.wrap_for_training(tiny_model(tok), torch.device("cpu"))
             c = train.parse_args(UPDATE_ARGS + ["--agg", agg])
-            m = train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=c.lr), split(samples(), rank),
+            m = train.update(model, None, torch.optim.SGD(model.parameters(), lr=c.lr), split(samples(), rank),
                                  c, tok.pad_token_id)
             res[(mode, agg)] = (full_params(model), m)
     # FSDP2 AdamW: the gathered optimizer state, in the single-process format, and loaded back
     model = dist.wrap_for_training(tiny_model(tok), torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    train.ppo_update(model, None, opt, split(samples(), rank), train.parse_args(UPDATE_ARGS), tok.pad_token_id)
+    train.update(model, None, opt, split(samples(), rank), train.parse_args(UPDATE_ARGS), tok.pad_token_id)
     _, osd = dist.full_state(model, opt)
     import torch.distributed as tdist
     whole = [osd]
@@ -106,7 +106,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     model = dist.wrap_for_training(models.attach_lora(model, 4, 8), torch.device("cpu"))
     c = train.parse_args(UPDATE_ARGS)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    m = train.ppo_update(model, None, torch.optim.SGD(trainable, lr=c.lr), split(samples(), rank), c, tok.pad_token_id)
+    m = train.update(model, None, torch.optim.SGD(trainable, lr=c.lr), split(samples(), rank), c, tok.pad_token_id)
     res["lora"] = ({k: v.clone() for k, v in model.state_dict().items()}, m)
     # a non-finite loss on rank 1 only: every rank skips the step, no weight moves
     dist.DIST.fsdp, dist.DIST.ddp = False, None
@@ -115,7 +115,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     bad = split(samples(), rank)
     if rank == 1:
         bad[0].adv_t = float("nan")
-    m = train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=0.1), bad, train.parse_args([]),
+    m = train.update(model, None, torch.optim.SGD(model.parameters(), lr=0.1), bad, train.parse_args([]),
                          tok.pad_token_id)
     res["nan_skipped"] = m.get("skipped", "").startswith("non-finite") and all(
         torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -164,7 +164,7 @@ def test_two_ranks_update_and_rollouts_equal_one_process(tmp_path):
     model = models.attach_lora(tiny_model(tok), 4, 8)
     cfg = train.parse_args(UPDATE_ARGS)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    ref_m = train.ppo_update(model, None, torch.optim.SGD(trainable, lr=cfg.lr), samples(), cfg, tok.pad_token_id)
+    ref_m = train.update(model, None, torch.optim.SGD(trainable, lr=cfg.lr), samples(), cfg, tok.pad_token_id)
     (params, m), (params1, _) = r0["lora"], r1["lora"]
     assert abs(m["loss"] - ref_m["loss"]) < 1e-5 and abs(m["grad_norm"] - ref_m["grad_norm"]) < 1e-5
     for k, v in model.state_dict().items():

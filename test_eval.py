@@ -78,7 +78,8 @@ def test_a_question_in_unknown_words_stops_with_one_line_naming_them(tmp_path, c
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0)
     checkpoint.save_model(str(tmp_path), model, tok, data.SYSTEM_PROMPT)
     with pytest.raises(SystemExit) as stop:          # before any episode runs
-        ev.main(["--checkpoint", str(tmp_path), "--device", "cpu", "--question", "1 : kalo friend _ ? 2 : mira rival _ ?"])
+        ev.main(["--checkpoint", str(tmp_path), "--device", "cpu",
+                 "--question", "1 : kalo friend _ ? 2 : mira rival _ ?"])
     message = str(stop.value.code)                   # a string: Python prints it on stderr and exits with status 1
     assert "\n" not in message and "kalo mira" in message and "data.name_pool()" in message
     assert capsys.readouterr().out == ""

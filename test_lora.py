@@ -127,7 +127,7 @@ def test_smollm2_under_rank_16_trains_the_adapters_alone():
     policy = models.attach_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     assert 0 < sum(p.numel() for p in trainable) < 0.05 * sum(p.numel() for p in policy.parameters())
-    m = train.ppo_update(policy, None, torch.optim.AdamW(trainable, lr=cfg.lr), samples, cfg, tok.pad_token_id)
+    m = train.update(policy, None, torch.optim.AdamW(trainable, lr=cfg.lr), samples, cfg, tok.pad_token_id)
     assert "skipped" not in m
     base = base_weights(policy)
     assert all(torch.equal(base[k], start[k]) for k in base) and len(base) >= len(start) - 1   # tied head: one name

@@ -50,13 +50,13 @@ def test_r4_rules():
     assert content_valid("episodic", "2024-05-01 kalo moved to tebo")
     assert not content_valid("episodic", "kalo met mira")                # no time
     calls = parse_tool_calls(
-        tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "kalo boss mira"}) +          # valid
-        tool_call_text("new_memory_insert", {"memory_type": "episodic", "content": "kalo met mira"}) +           # no time
-        tool_call_text("memory_update", {"memory_type": "core", "new_content": "none"}) +                     # placeholder
+        tool_call_text("new_memory_insert", {"memory_type": "semantic", "content": "kalo boss mira"}) +  # valid
+        tool_call_text("new_memory_insert", {"memory_type": "episodic", "content": "kalo met mira"}) +   # no time
+        tool_call_text("memory_update", {"memory_type": "core", "new_content": "none"}) +                # placeholder
         tool_call_text("memory_update", {"memory_type": "episodic", "new_content": "on day 2 a met b",
-                                         "memory_id": "nope"}) +                                                # valid text
-        tool_call_text("memory_delete", {"memory_type": "semantic", "memory_id": "ab"}) +                      # not judged
-        "<tool_call>{bad json</tool_call>")                                                                     # not judged
+                                         "memory_id": "nope"}) +                                         # valid text
+        tool_call_text("memory_delete", {"memory_type": "semantic", "memory_id": "ab"}) +                # not judged
+        "<tool_call>{bad json</tool_call>")                                                              # not judged
     assert r4_validity(calls) == 0.5
     assert r4_validity(calls[4:]) == 0.0
 
@@ -134,7 +134,8 @@ def bpe():
 def test_loop_batched_equals_each_instance_alone_and_contexts_are_fresh():
     tok = bpe()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
-    insts = memalpha_data.make_memalpha_instances(3, 2, n_chunks=3) + memalpha_data.make_memalpha_instances(4, 1, n_chunks=2)
+    insts = (memalpha_data.make_memalpha_instances(3, 2, n_chunks=3)
+             + memalpha_data.make_memalpha_instances(4, 1, n_chunks=2))
     cfg = WriterConfig(max_new_tokens=12, temperature=0.0)
     both = memalpha_rollout(model, tok, insts, 2, cfg)
     assert [r.group_id for r in both] == [0, 0, 1, 1, 2, 2]
@@ -330,7 +331,8 @@ def test_evaluate_memalpha_runs_all_three_methods():
         mem = StructuredMemory(512, count, seed=0)
         for c in inst.chunks:
             memalpha_data.writer_calls(mem, c)
-        sizes.append(sum(count(x) for x in [mem.core] + [t for _, t in mem.entries("semantic") + mem.entries("episodic")]))
+        sizes.append(sum(count(x) for x in [mem.core]
+                         + [t for _, t in mem.entries("semantic") + mem.entries("episodic")]))
     assert with_ceiling["scripted"]["memory_tokens"] == sum(sizes) / 2 > 0
     assert with_ceiling["scripted"]["questions"] == n_q
     # the reward's parts of the scripted memory: every call executes and is valid, r3 from its size, r1 its accuracy

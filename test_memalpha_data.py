@@ -57,7 +57,8 @@ def test_chunk_counts_per_instance_and_no_more_chunks_than_the_world_has_facts()
 
 
 def test_hand_made_chunk_and_writer_calls():
-    chunk = memalpha_data.Chunk("day 4 : kalo boss mira .", 4, [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")])
+    chunk = memalpha_data.Chunk("day 4 : kalo boss mira .", 4,
+                                [("fact", "kalo", "boss", "mira"), ("event", "kalo", "met", "tebo")])
     mem = StructuredMemory(seed=0)
     text = memalpha_data.writer_calls(mem, chunk)
     calls = parse_tool_calls(text)
@@ -218,7 +219,8 @@ def test_load_memalpha_and_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     cases = [("{not json", "bad.jsonl:2: not valid JSON"),
              (json.dumps({"chunks": [], "questions_and_answers": [{"question": "q", "answer": "a"}]}), ":2: 'chunks'"),
-             (json.dumps({"chunks": ["a"], "questions_and_answers": [{"question": "q"}]}), ":2: questions_and_answers[0]"),
+             (json.dumps({"chunks": ["a"], "questions_and_answers": [{"question": "q"}]}),
+              ":2: questions_and_answers[0]"),
              (json.dumps({"chunks": ["a"]}), ":2: 'questions_and_answers'")]
     for line, msg in cases:
         bad.write_text(good.read_text().splitlines()[0] + "\n" + line + "\n")

@@ -18,7 +18,8 @@ def test_insert_update_delete_and_failures():
     assert ok and msg.startswith("inserted semantic ")
     sid = msg.split()[-1]
     assert len(sid) == 4 and m.stores["semantic"] == {sid: "kalo boss mira"}
-    assert m.insert("semantic", "kalo boss mira") == (False, "error: duplicate: semantic memory already holds this text")
+    assert m.insert("semantic", "kalo boss mira") == (False,
+                                                      "error: duplicate: semantic memory already holds this text")
     assert m.insert("semantic", "  kalo boss mira ")[0] is False       # stripped before the duplicate check
     assert m.insert("episodic", "kalo boss mira")[0] is True             # duplicates are per store
     for bad in [("core", "x"), ("semantic_memory", "x"), (None, "x"), ("semantic", ""), ("semantic", "   "),
@@ -117,7 +118,8 @@ INSERT = tool_call_text("new_memory_insert", {"memory_type": "semantic", "conten
 def test_parse_good_calls_in_order_with_text_around():
     text = ("I will save it. " + INSERT + "\n" +
             tool_call_text("memory_update", {"memory_type": "core", "new_content": "summary"}) +
-            ' <tool_call> {"name": "memory_delete", "arguments": {"memory_type": "episodic", "memory_id": "ab12"}} </tool_call>')
+            ' <tool_call> {"name": "memory_delete", "arguments": {"memory_type": "episodic", "memory_id": "ab12"}}'
+            ' </tool_call>')
     calls = parse_tool_calls(text)
     assert [(c.name, c.error) for c in calls] == [("new_memory_insert", None), ("memory_update", None),
                                                   ("memory_delete", None)]
@@ -126,7 +128,8 @@ def test_parse_good_calls_in_order_with_text_around():
 
 
 @pytest.mark.parametrize("text, error", [
-    ('<tool_call>{"name": "new_memory_insert", "arguments": {"memory_type": "semantic"}}</tool_call>', "missing: content"),
+    ('<tool_call>{"name": "new_memory_insert", "arguments": {"memory_type": "semantic"}}</tool_call>',
+     "missing: content"),
     ('<tool_call>{"name": "memory_insert", "arguments": {}}</tool_call>', "unknown tool 'memory_insert'"),
     ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', "unknown tool '3'"),
     ('<tool_call>{"arguments": {}}</tool_call>', "unknown tool 'None'"),
@@ -223,7 +226,8 @@ def test_execute_in_order_against_memory():
     assert "duplicate" in res[1][1] and mem.core == "day 1"
     sid = res[0][1].split()[-1]
     res = execute_tool_calls(mem, parse_tool_calls(
-        tool_call_text("memory_update", {"memory_type": "semantic", "new_content": "kalo boss puni", "memory_id": sid}) +
+        tool_call_text("memory_update",
+                       {"memory_type": "semantic", "new_content": "kalo boss puni", "memory_id": sid}) +
         tool_call_text("memory_delete", {"memory_type": "semantic", "memory_id": sid}) +
         tool_call_text("memory_delete", {"memory_type": "semantic", "memory_id": sid})))
     assert [ok for ok, _ in res] == [True, True, False] and mem.stores["semantic"] == {}

@@ -44,7 +44,8 @@ def test_world_tasks_mask_every_pivot_occurrence_and_are_recoverable(world_seed)
         pivot = passages[t.passage_ids.index(t.pivot_id)]
         assert pivot == memtrain_tasks.replace_entity(docs[t.pivot_id], t.answer, memtrain_tasks.MASK)
         assert t.answer not in pivot.split() and memtrain_tasks.MASK in pivot.split()
-        assert text.count(memtrain_tasks.MASK) == docs[t.pivot_id].split().count(t.answer)   # every occurrence, nowhere else
+        # every occurrence, nowhere else
+        assert text.count(memtrain_tasks.MASK) == docs[t.pivot_id].split().count(t.answer)
         # recoverable: another passage states the pivot's fact with the answer in the masked slot
         s, r, o = fact_of(docs[t.pivot_id])
         others = [fact_of(p) for i, p in zip(t.passage_ids, passages) if i != t.pivot_id]
@@ -97,7 +98,8 @@ def test_real_format_corpus_file(tmp_path):
     path.write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
     docs = data.load_corpus(str(path))
     tasks = memtrain_tasks.masked_reconstruction_tasks(docs, 20, seed=3, max_chunks=4, n_neighbours=2, n_random=2)
-    assert tasks == memtrain_tasks.masked_reconstruction_tasks(docs, 20, seed=3, max_chunks=4, n_neighbours=2, n_random=2)
+    assert tasks == memtrain_tasks.masked_reconstruction_tasks(docs, 20, seed=3, max_chunks=4, n_neighbours=2,
+                                                               n_random=2)
     by_id = {d["id"]: d["contents"] for d in docs}
     for t in tasks:
         assert 1 <= len(t.chunks) <= 4
@@ -114,10 +116,10 @@ def test_imr_task_masks_an_earlier_chunk():
     seen = set()
     for s in range(40):
         t = memtrain_tasks.imr_task(chunks, 3, random.Random(s), names)
-        assert t.l < t.k < 3
-        assert t.chunk == memtrain_tasks.replace_entity(chunks[t.l], t.target, memtrain_tasks.TARGET)
+        assert t.chunk_step < t.k < 3
+        assert t.chunk == memtrain_tasks.replace_entity(chunks[t.chunk_step], t.target, memtrain_tasks.TARGET)
         assert t.target not in t.chunk.split() and memtrain_tasks.MASK != t.target
-        seen.add((t.k, t.l, t.target))
+        seen.add((t.k, t.chunk_step, t.target))
     assert {(1, 0, "kalo"), (1, 0, "mira"), (2, 1, "tebo")} <= seen
     assert memtrain_tasks.imr_task(chunks, 1, random.Random(0), names) is None    # one memory: no earlier chunk
 
@@ -275,7 +277,8 @@ def test_heldout_tasks_are_deterministic_and_split_apart():
 def test_eval_cli_on_world_and_real_format_corpus(tmp_path, capsys):
     path = tmp_path / "corpus.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in CORPUS))
-    tok = data.build_bpe_tokenizer(data.world_texts(1) + [d["contents"] for d in CORPUS] + memtrain_tasks.MEMTRAIN_WORDS)
+    tok = data.build_bpe_tokenizer(data.world_texts(1) + [d["contents"] for d in CORPUS]
+                                   + memtrain_tasks.MEMTRAIN_WORDS)
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64)
     model.save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
@@ -292,7 +295,8 @@ def test_eval_cli_on_world_and_real_format_corpus(tmp_path, capsys):
 
 
 def test_memtrain_expert_keeps_the_masked_passage_and_answers():
-    task = memtrain_tasks.MemTrainTask(memtrain_tasks.problem_text(), "mira", ["a b c | d e f", "x [MASK] y | mira q", "g h i"], "p", [], [])
+    task = memtrain_tasks.MemTrainTask(memtrain_tasks.problem_text(), "mira",
+                                       ["a b c | d e f", "x [MASK] y | mira q", "g h i"], "p", [], [])
     rounds = memtrain_tasks.memtrain_expert_rounds(task, mem_words=7)
     assert rounds == ["<mem> a b c | d e f </mem>",
                       "<mem> x [MASK] y | mira q </mem>",                      # 10 words > 7: a b c, d e f dropped

@@ -113,8 +113,8 @@ class Scripted(torch.nn.Module):
 def scripted_generate(model, tok, prompts, scripts):
     assert all(abs(len(a) - len(b)) > 64 for i, a in enumerate(prompts) for b in prompts[i + 1:])
     m = Scripted(model, [len(p) for p in prompts], scripts)
-    return generate(m, prompts, 40, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, stops=stop_strings(tok, STOP_STRINGS),
-                    temperature=0.0)
+    return generate(m, prompts, 40, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+                    stops=stop_strings(tok, STOP_STRINGS), temperature=0.0)
 
 
 def token(tok, t):
@@ -235,7 +235,7 @@ def test_fp32_master_weights_move_at_lr_1e6_under_bf16_autocast():
         samples = [grpo.target_row(list(range(5, 13)), list(range(13, 25)), adv_t=1.0),
                    grpo.target_row(list(range(30, 36)), list(range(36, 44)), adv_t=-1.0)]
         before = [p.detach().clone() for p in model.parameters()]
-        m = train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
+        m = train.update(model, None, opt, samples, cfg, tok.pad_token_id)
         assert "skipped" not in m
         changed = sum((a != p.detach()).sum().item() for a, p in zip(before, model.parameters()))
         moved[weights] = changed / sum(p.numel() for p in model.parameters())
@@ -302,7 +302,8 @@ def test_trajectory_rows_match_the_expert_rows(tmp_path):
 
 
 @pytest.mark.parametrize("content,expect", [
-    (b'{"question": "q", "golden_answers": ["a"]}\n{"question": 3}\n', r"qa.jsonl:2: missing or empty field 'question'"),
+    (b'{"question": "q", "golden_answers": ["a"]}\n{"question": 3}\n',
+     r"qa.jsonl:2: missing or empty field 'question'"),
     (b'{"question": "q", "golden_answers": ["a"]}\n\xff\xfe bad bytes\n', r"qa.jsonl:2: not UTF-8 text"),
     (b'{"question": "q", "golden_answers": ["a"]}\n{not json\n', r"qa.jsonl:2: not valid JSON"),
 ])

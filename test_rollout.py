@@ -267,18 +267,19 @@ def test_prefix_cache_on_a_bpe_qwen2_with_the_protocol_prompt(tmp_path):
 # ---------------------------------------------------------------- templates that rewrite earlier turns
 # Qwen3's rule: of every assistant turn before the last user message only what follows </think> is kept; the
 # newest turn's reasoning goes back inside <think> (a mimic of its template, turn markers given)
-QWEN3_RULE = """{%- set ns = namespace(last=0) -%}
+QWEN3_RULE = ("""{%- set ns = namespace(last=0) -%}
 {%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}
 {%- for m in messages -%}
 {%- set content = m.content -%}
 {%- if m.role == 'assistant' and '</think>' in content -%}
 {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}
 {%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
-{%- if loop.index0 > ns.last -%}{%- set content = '<think>\\n' + reasoning.strip() + '\\n</think>\\n\\n' + content -%}{%- endif -%}
+{%- if loop.index0 > ns.last -%}"""
+"""{%- set content = '<think>\\n' + reasoning.strip() + '\\n</think>\\n\\n' + content -%}{%- endif -%}
 {%- endif -%}
 {{- OPEN ~ m.role ~ MID ~ content ~ CLOSE -}}
 {%- endfor -%}
-{%- if add_generation_prompt -%}{{- OPEN ~ 'assistant' ~ MID -}}{%- endif -%}"""
+{%- if add_generation_prompt -%}{{- OPEN ~ 'assistant' ~ MID -}}{%- endif -%}""")
 
 
 def qwen3_style(open_: str, mid: str, close: str) -> str:

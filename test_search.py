@@ -345,7 +345,8 @@ def test_the_sft_agent_scores_the_same_through_a_server_whose_documents_carry_no
     for name, retriever in (("ids", SearchTool(world.docs)), ("no ids", Pyserini(world.docs))):
         url, server = serve(retriever)
         try:
-            scores[name] = evaluate(model, tok, tasks, SearchClient(url), greedy_agent(max_turns=8, system_prompt=prompt))
+            scores[name] = evaluate(model, tok, tasks, SearchClient(url),
+                                    greedy_agent(max_turns=8, system_prompt=prompt))
         finally:
             server.shutdown()
     assert scores["ids"]["n"] == 8 and scores["ids"]["turns"] > 1

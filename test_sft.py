@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+import config
 import data
 import sft
 import train
@@ -44,10 +45,11 @@ def test_probe_samples_two_contexts_answer_known_and_no_loss_on_the_marker():
         assert tok.decode(full.ids[len(ctx):full.n_prompt]) == "<think> probe </think> <answer>"
         assert tok.decode(full.ids[full.n_prompt:]) == f"{data.context_answers(task, ep, t)} </answer>"
         assert tok.decode(mem.ids[mem.n_prompt:]) == f"{data.answers_from_mem(task, extract_mem(ep[t][0]))} </answer>"
-        assert tok.decode(mem.ids[:mem.n_prompt]).endswith(f"<mem> {extract_mem(ep[t][0])} </mem> <think> probe </think> <answer>")
+        assert tok.decode(mem.ids[:mem.n_prompt]).endswith(
+            f"<mem> {extract_mem(ep[t][0])} </mem> <think> probe </think> <answer>")
     assert sft.probe_samples(tok, task, tool, True, _random.Random(0), 0.0) == []
     # on top of the batch: the policy rows of a step are the same count with or without probe rows
-    plain = ["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16"] + train.EXPERT_ROWS_ONLY
+    plain = ["--sft-steps", "100", "--sft-copy-steps", "0", "--sft-batch", "16"] + config.EXPERT_ROWS_ONLY
     cfg = train.parse_args(plain)
     assert len(sft.sft_batch(tok, cfg, 99)) > 16
     cfg0 = train.parse_args(plain + ["--sft-probe", "0"])
@@ -163,10 +165,13 @@ def test_file_probe_rows_answer_what_the_context_and_the_memory_hold(tmp_path):
     """--sft-data: probe rows from the file's own rounds, the answers read off the text, the marker taught."""
     tok = data.build_tokenizer()
     names = data.name_pool()
-    rounds = [(f"<think> search </think> <search> {names[0]} boss </search>", f"<information> d1 {names[0]} boss {names[1]} </information>"),
-              (f"<mem> 1 = {names[0]} boss {names[1]} </mem> <think> search </think> <search> {names[1]} rival </search>",
+    rounds = [(f"<think> search </think> <search> {names[0]} boss </search>",
+               f"<information> d1 {names[0]} boss {names[1]} </information>"),
+              (f"<mem> 1 = {names[0]} boss {names[1]} </mem> <think> search </think> "
+               f"<search> {names[1]} rival </search>",
                f"<information> d2 {names[2]} rival {names[3]} </information>"),
-              (f"<mem> 1 = {names[0]} boss {names[1]} </mem> <think> answer </think> <answer> {names[1]} </answer>", None)]
+              (f"<mem> 1 = {names[0]} boss {names[1]} </mem> <think> answer </think> "
+               f"<answer> {names[1]} </answer>", None)]
     traj = {"question": f"1 : {names[0]} boss _ ?", "rounds": rounds, "golds": [[names[1]]]}
     cfg = train.parse_args(["--sft-data", "x"])
     rows = sft.file_probe_samples(tok, traj, random.Random(0), 1.0, data.SYSTEM_PROMPT, {0, 1, 2},

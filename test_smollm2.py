@@ -205,7 +205,8 @@ def test_the_agent_loop_runs_the_experts_episode_on_smollm2(smol):
 
 def test_answer_template_ids_and_mask_under_smollm2(smol):
     _, tok, _, _ = smol
-    for golds in ([["tuva"], ["bobi gonu"]], [["1,234"], ["U.S."]], [["New York City"]], [["zete"], ["mira"], ["kalo"]]):
+    for golds in ([["tuva"], ["bobi gonu"]], [["1,234"], ["U.S."]], [["New York City"]],
+                  [["zete"], ["mira"], ["kalo"]]):
         t_ids, mask = answer_template(tok, golds)
         assert ids(tok, tok.decode(t_ids)) == t_ids                # the tokenizer's own encoding of the text
         words = [w for g in golds for w in g[0].split()]
@@ -250,8 +251,10 @@ def test_one_rl_step_moves_the_weights_and_saves_checkpoints_that_load_back(smol
     assert moved > 0.9 * len(list(model.parameters())), moved
     ckpt, _ = models.load_pretrained(str(run / "ckpt"), CPU)
     assert all(torch.equal(a, b) for a, b in zip(ckpt.parameters(), final.parameters()))
-    assert (run / "ckpt" / "trainer.pt").exists() and "quantization_config" not in json.load(open(run / "final" / "config.json"))
-    assert tok2.chat_template == tok.chat_template and rollout.checkpoint_prompt(ev.checkpoint_dir(str(run))) == SHORT_PROMPT
+    assert (run / "ckpt" / "trainer.pt").exists()
+    assert "quantization_config" not in json.load(open(run / "final" / "config.json"))
+    assert tok2.chat_template == tok.chat_template
+    assert rollout.checkpoint_prompt(ev.checkpoint_dir(str(run))) == SHORT_PROMPT
     shutil.rmtree(run)                      # 2.2 GB (ckpt/ holds AdamW's state); pytest keeps the last 3 runs' tmp
 
 
@@ -262,7 +265,8 @@ def test_sft_on_exported_trajectories_lowers_the_loss(smol, exported, tmp_path):
     prompt, run = tmp_path / "prompt.txt", tmp_path / "run"
     prompt.write_text(SHORT_PROMPT)
     args = ["--run", str(run), "--model", folder, "--sft-data", exported["trajectories"], "--sft-steps", "2",
-            "--sft-batch", "2", "--sft-lr", "5e-3", "--rl-steps", "0", "--eval-every", "0", "--system-prompt", str(prompt)]
+            "--sft-batch", "2", "--sft-lr", "5e-3", "--rl-steps", "0", "--eval-every", "0",
+            "--system-prompt", str(prompt)]
     train.main(args)
     cfg = train.parse_args(args)
     batch = sft.file_batch(tok, cfg, 0, data.load_trajectories(exported["trajectories"]), SHORT_PROMPT)
@@ -272,5 +276,6 @@ def test_sft_on_exported_trajectories_lowers_the_loss(smol, exported, tmp_path):
     with torch.no_grad():
         before, after = sft.sft_loss(model, x, n).item(), sft.sft_loss(after.eval(), x, n).item()
     assert after < 0.8 * before, (before, after)
-    assert (run / "final" / "model.safetensors").exists() and open(run / "final" / "system_prompt.txt").read() == SHORT_PROMPT
+    assert (run / "final" / "model.safetensors").exists()
+    assert open(run / "final" / "system_prompt.txt").read() == SHORT_PROMPT
     shutil.rmtree(run)                      # 1.1 GB: sft/ and final/

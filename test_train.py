@@ -80,38 +80,13 @@ def test_rl_step_logs_finite_metrics_and_updates_only_when_not_skipped(sft_run):
     assert updated >= 1, "every step was skipped: nothing above tested an update"
 
 
-def test_outcome_norm_none_gives_the_rl_step_score_minus_group_mean(sft_run, monkeypatch):
-    model, tok = load(sft_run / "final")
-    seen = []
-
-    def spy(scores, gids, **kw):
-        out = grpo.grouped_advantage(scores, gids, **kw)
-        seen.append((scores, gids, kw, out))
-        return out
-    monkeypatch.setattr(train, "grouped_advantage", spy)
-    for norm in ("none", "std"):
-        cfg = train.parse_args(RL_ARGS + ["--outcome-norm", norm])
-        train.rl_step(model, None, tok, torch.optim.AdamW(model.parameters(), lr=0.0), cfg, 0, train.agent_config(cfg))
-        scores, gids, kw, adv = seen[-1]
-        assert kw == {"norm_by_std": norm == "std"}
-        centred = torch.stack([scores[i] - scores[gids == gids[i]].mean() for i in range(len(scores))])
-        if norm == "none":
-            assert torch.allclose(adv, centred, atol=1e-6)
-        else:
-            for g in gids.unique():
-                sd = scores[gids == g].std() if (gids == g).sum() > 1 else torch.tensor(1.0)
-                assert torch.allclose(adv[gids == g], centred[gids == g] / (sd + 1e-6), atol=1e-5)
-    with pytest.raises(SystemExit):
-        train.parse_args(["--outcome-norm", "mean"])
-
-
 def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
     """Policy-gradient sanity: sampled rollouts of the trained policy, MemPO's advantages as rl_step
     builds them, one AdamW step at a small lr; re-scored on the same batch, sum(A * log pi) over the loss tokens
     must rise (first order: AdamW's first step moves each weight by lr * sign(grad), so the change is
     lr * sum|grad| > 0). A sign error, a misplaced advantage or a mask that hides the sampled tokens fails it."""
     from grpo import collate, token_advantages, token_logprobs
-    from reward import memory_rewards, outcome_reward
+    from reward import outcome_reward
     model, tok = load(sft_run / "final")
     cfg = train.parse_args(["--lr", "1e-5", "--temperature", "1"])
     agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=8, max_new_tokens=60, temperature=cfg.temperature)
@@ -123,9 +98,9 @@ def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
         trajs = rollout.rollout(model.eval(), tok, tasks, 4, SearchTool(world.docs), agent)
         gids = torch.tensor([t.group_id for t in trajs])
         adv_t = grpo.grouped_advantage(torch.tensor([outcome_reward(t)["score"] for t in trajs]), gids)
-        _, adv_m = train.memory_advantages(model, tok, trajs, cfg, [outcome_reward(t)["em"] == 1 for t in trajs])
+        _, adv_m = train.memory_advantages(model, tok, trajs, cfg)
         samples = train.build_samples(trajs, adv_t, adv_m)
-        if any(s.adv_t != 0 or any(a != 0 for *_, a in s.mem) for s in samples):     # what ppo_update tests
+        if any(s.adv_t != 0 or any(a != 0 for *_, a in s.mem) for s in samples):     # what update tests
             break
     else:
         pytest.fail("no signal in 8 batches: nothing to test")
@@ -136,7 +111,7 @@ def test_one_small_update_raises_the_surrogate_on_its_own_batch(sft_run):
         with torch.no_grad():
             return (adv * token_logprobs(model, x["ids"], x["attn"], cfg.temperature)).sum().item()
     before = surrogate()
-    m = train.ppo_update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0),
+    m = train.update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0),
                          samples, cfg, tok.pad_token_id)
     assert "skipped" not in m
     assert surrogate() > before
@@ -419,27 +394,6 @@ def test_probe_think_auto_is_the_marker_the_policy_learnt(tmp_path):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["probe_think"] == "probe"
 
 
-def test_outcome_all_ranks_by_every_objective_right_and_searched_scores_early_answers_0(sft_run, monkeypatch):
-    """--outcome all: the advantage sees 1 only where all K objectives are right (score_answer's em); searched:
-    the share, but 0 where the answer came after fewer searches than the question's hops."""
-    model, tok = load(sft_run / "final")
-    seen = []
-    monkeypatch.setattr(train, "outcome_reward", lambda t: {"score": 0.5, "em": float(t.group_id % 2), "f1": 0.5,
-                                                              "valid": True, "reason": "ok"})
-    monkeypatch.setattr(train.data, "early_answer", lambda t: float(t.group_id % 2 == 0))
-    monkeypatch.setattr(train, "grouped_advantage", lambda scores, gids, **kw: seen.append((scores, gids)) or
-                        grpo.grouped_advantage(scores, gids, **kw))
-    for outcome in ("share", "all", "searched"):
-        cfg = train.parse_args(RL_ARGS + ["--outcome", outcome, "--lr", "1e-9"])
-        m = train.rl_step(model, None, tok, torch.optim.AdamW(model.parameters(), lr=0.0), cfg, 0,
-                          train.agent_config(cfg))
-        scores, gids = seen[-1]
-        expect = {"share": torch.full_like(scores, 0.5), "all": (gids % 2).float(),
-                  "searched": (gids % 2).float() * 0.5}[outcome]
-        assert torch.equal(scores, expect) and m["f1"] == 0.5
-        assert m["zero_var_frac"] == 1.0            # each group's rollouts share one group id, so one score
-
-
 def test_keep_checkpoints_keeps_each_saved_model(tmp_path):
     args = ["--sft-steps", "0", "--questions", "2", "--group", "2", "--max-turns", "2", "--max-new-tokens", "8",
             "--eval-every", "0", "--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--rl-steps", "3",
@@ -483,7 +437,7 @@ def call_args(fn, args, kwargs) -> dict:
 
 
 def spy_on(monkeypatch, names: list[str]) -> dict:
-    """Replace each ``train.NAME`` (the name rl_step / ppo_update look up) by a wrapper that calls it and records
+    """Replace each ``train.NAME`` (the name rl_step / update look up) by a wrapper that calls it and records
     (its arguments by name, its result) in ``calls[NAME]``."""
     calls = {}
     for name in names:
@@ -497,8 +451,8 @@ def spy_on(monkeypatch, names: list[str]) -> dict:
     return calls
 
 
-WIRES = ["rollout", "grouped_advantage", "memory_rewards", "memory_advantage", "pooled_memory_advantage",
-         "ppo_update", "collate", "policy_loss"]
+WIRES = ["rollout", "grouped_advantage", "memory_rewards", "memory_advantage", "update", "collate",
+         "token_advantages"]
 
 
 def nested(mem: dict, values, n: int) -> list[list[float]]:
@@ -511,22 +465,22 @@ def nested(mem: dict, values, n: int) -> list[list[float]]:
 
 def spied_rl_step(sft_run, monkeypatch, extra: list[str]) -> tuple:
     """One RL step of the fixture policy (RL_ARGS: 2 questions x 3 rollouts) with every wire spied on: (cfg, calls,
-    the step's trajectories, the rows ppo_update got). The update must run (not skipped): the wiring past it is
-    what is tested."""
+    the step's trajectories, the rows update got). The update must run (not skipped): the wiring past it is
+    what is tested. The memory advantage is handed to rl_step as main hands it, the paper's pool (spied on)."""
     model, tok = load(sft_run / "final")
     cfg = train.parse_args(RL_ARGS + extra)
     calls = spy_on(monkeypatch, WIRES)
     m = train.rl_step(model, None, tok, torch.optim.AdamW(model.parameters(), lr=cfg.lr), cfg, 0,
-                      train.agent_config(cfg))
+                      train.agent_config(cfg), mem_advantage=train.memory_advantage)
     assert "skipped" not in m, m
     (_, trajs), = calls["rollout"]
-    (update, _), = calls["ppo_update"]
+    (update, _), = calls["update"]
     return cfg, calls, trajs, update["samples"]
 
 
-def pooled_by_hand(rewards: list[list[float]], pools: list[int], floor: float = 0.0) -> list[list[float]]:
-    """A_M by hand: each reward minus its pool's mean, over max(the pool's unbiased std, floor) + 1e-6; a pool of
-    one gets 0. ``pools[i]``: trajectory i's pool."""
+def pooled_by_hand(rewards: list[list[float]], pools: list[int]) -> list[list[float]]:
+    """A_M by hand: each reward minus its pool's mean, over the pool's unbiased std + 1e-6; a pool of one gets 0.
+    ``pools[i]``: trajectory i's pool."""
     members = {}
     for i, rs in enumerate(rewards):
         members.setdefault(pools[i], []).extend(rs)
@@ -536,7 +490,7 @@ def pooled_by_hand(rewards: list[list[float]], pools: list[int], floor: float = 
         if len(pool) < 2:
             out.append([0.0] * len(rs))
             continue
-        mean, sd = statistics.fmean(pool), max(statistics.stdev(pool), floor)
+        mean, sd = statistics.fmean(pool), statistics.stdev(pool)
         out.append([(r - mean) / (sd + 1e-6) for r in rs])
     return out
 
@@ -545,7 +499,7 @@ def test_rl_step_pools_the_memory_rewards_of_each_question_not_of_each_trajector
     """2 questions x 3 rollouts: memory_advantage gets one group id per QUESTION, in rollout order, so A_M is each
     reward against every round of every rollout of its question (by hand), not against its own trajectory's."""
     cfg, calls, trajs, samples = spied_rl_step(sft_run, monkeypatch, [])
-    assert [t.group_id for t in trajs] == [0, 0, 0, 1, 1, 1] and "pooled_memory_advantage" not in calls
+    assert [t.group_id for t in trajs] == [0, 0, 0, 1, 1, 1]
     (args, a_m), = calls["memory_advantage"]
     (_, mem), = calls["memory_rewards"]
     assert args["question_ids"].tolist() == [trajs[i].group_id for i, _ in mem["scored"]]
@@ -558,62 +512,31 @@ def test_rl_step_pools_the_memory_rewards_of_each_question_not_of_each_trajector
     assert all(a == pytest.approx(w, abs=1e-5) for a, w in zip(nested(mem, a_m, len(trajs)), want))
 
 
-def test_rl_step_hands_mem_mask_weight_and_floor_to_the_reward_the_pool_and_the_token_advantages(sft_run,
-                                                                                                  monkeypatch):
-    """--mem-mask full (not the default), --mem-weight 0.5, --mem-std-floor 2 (above any pool's std of rewards in
-    [-1, 1]): memory_rewards and memory_advantage get them, A_M is the floored pool's by hand, and every token
-    advantage policy_loss sees is A_T + 0.5 * A_M on the sampled tokens (A_M on <mem> spans) of the very batch
-    collate built."""
-    cfg, calls, trajs, samples = spied_rl_step(sft_run, monkeypatch, ["--mem-mask", "full", "--mem-weight", "0.5",
-                                                                      "--mem-std-floor", "2"])
+def test_rl_step_hands_mem_mask_and_weight_to_the_reward_and_the_token_advantages(sft_run, monkeypatch):
+    """--mem-mask full (not the default), --mem-weight 0.5: memory_rewards gets the mask, A_M is the paper's pool
+    by hand, and every token advantage the update sees is A_T + 0.5 * A_M on the sampled tokens (A_M on <mem>
+    spans) of the very batch collate built."""
+    cfg, calls, trajs, samples = spied_rl_step(sft_run, monkeypatch, ["--mem-mask", "full", "--mem-weight", "0.5"])
     assert reward.MEM_MASK != "full"
     (args, mem), = calls["memory_rewards"]
     assert (args["mask_mode"], args["threshold"], args["think"]) == ("full", 0.0, cfg.probe_think)
-    (args, a_m), = calls["pooled_memory_advantage"]
-    assert (args["std_floor"], args["norm"]) == (2.0, "std") and "memory_advantage" not in calls
-    assert args["question_ids"] == [trajs[i].group_id for i, _ in mem["scored"]]
+    (args, a_m), = calls["memory_advantage"]
     rewards = nested(mem, mem["reward"], len(trajs))
-    want = pooled_by_hand(rewards, [0, 0, 0, 1, 1, 1], floor=2.0)
-    assert want != pooled_by_hand(rewards, [0, 0, 0, 1, 1, 1]), "the floor binds on no pool: nothing tested"
+    want = pooled_by_hand(rewards, [0, 0, 0, 1, 1, 1])
     assert all(a == pytest.approx(w, abs=1e-5) for a, w in zip(nested(mem, a_m, len(trajs)), want))
-    assert len(calls["collate"]) == len(calls["policy_loss"]) >= 1        # one policy_loss per collated micro-batch
+    assert len(calls["collate"]) == len(calls["token_advantages"]) >= 1     # one per collated micro-batch
     on_mem = 0
-    for (c, x), (p, _) in zip(calls["collate"], calls["policy_loss"]):
+    for (c, x), (t, adv) in zip(calls["collate"], calls["token_advantages"]):
+        assert t["mem_weight"] == 0.5
         want_adv = (x["adv_t"][:, None] + 0.5 * x["mem_adv"]) * x["loss_mask"]
-        assert torch.allclose(p["advantages"], want_adv), (p["advantages"] - want_adv).abs().max()
+        assert torch.allclose(adv, want_adv), (adv - want_adv).abs().max()
         on_mem += int(((x["mem_adv"] != 0) & (x["loss_mask"] > 0)).sum())
     assert on_mem > 0, "no sampled token carries a memory advantage: the weight is untested"
 
 
-def test_mem_adv_on_right_pays_only_the_rounds_of_trajectories_whose_outcome_is_right(sft_run, monkeypatch):
-    """--mem-adv-on right: the pool keeps each scored round whose trajectory's EM is 1 (every objective right); A_M is
-    the paper's pool over the right trajectories' rounds of each question (by hand), 0 on every other round. The
-    fixture's policy gets no K=2 question wholly right, so every other trajectory's outcome is marked right."""
-    marked = []
-
-    def every_other_right(t):
-        marked.append(len(marked) % 2 == 0)
-        return reward.outcome_reward(t) | {"em": float(marked[-1])}
-    monkeypatch.setattr(train, "outcome_reward", every_other_right)
-    cfg, calls, trajs, samples = spied_rl_step(sft_run, monkeypatch, ["--mem-adv-on", "right"])
-    (_, mem), = calls["memory_rewards"]
-    (args, a_m), = calls["pooled_memory_advantage"]
-    em = marked
-    assert args["keep"] == [em[i] for i, _ in mem["scored"]] and (args["norm"], args["std_floor"]) == ("std", 0.0)
-    assert "memory_advantage" not in calls
-    rewards = nested(mem, mem["reward"], len(trajs))
-    wrong_paid = [r for i, rs in enumerate(rewards) if not em[i] for r in rs if r != 0]
-    right_pool = [sum(len(rewards[i]) for i in range(3 * q, 3 * q + 3) if em[i]) for q in (0, 1)]
-    assert wrong_paid and max(right_pool) >= 2, f"no wrong round with a reward or no right pool: {rewards} {em}"
-    kept = [rs if em[i] else [] for i, rs in enumerate(rewards)]
-    want = [w if em[i] else [0.0] * len(rewards[i]) for i, w in enumerate(pooled_by_hand(kept, [0, 0, 0, 1, 1, 1]))]
-    assert all(a == pytest.approx(w, abs=1e-5) for a, w in zip(nested(mem, a_m, len(trajs)), want))
-    assert any(a != 0 for s in samples for _, _, a in s.mem), "no right round with a memory advantage"
-
-
 def test_an_rl_step_in_full_context_trains_each_growing_trajectory_as_one_row(sft_run, monkeypatch):
     """--train-context full end to end: the rollouts see the whole trajectory, a trajectory whose contexts grow
-    reaches ppo_update as ONE row (its last round's context + output) holding every round's policy span (the
+    reaches update as ONE row (its last round's context + output) holding every round's policy span (the
     tokens that round sampled) and <mem> span with that round's A_M, its trajectory's A_T; token advantages in
     the update are A_T on each round's sampled tokens plus A_M on its <mem> tokens, 0 between rounds."""
     cfg, calls, trajs, samples = spied_rl_step(sft_run, monkeypatch, ["--train-context", "full"])
@@ -653,7 +576,7 @@ def test_an_rl_step_in_full_context_trains_each_growing_trajectory_as_one_row(sf
     assert one_rows >= 1, "no multi-round trajectory grew: the one-row case is untested"
     assert any(a != 0 for s in samples if len(s.policy) > 1 for *_, a in s.mem), "no A_M inside a one-row sample"
     seen = 0
-    for (_, x), (p, _) in zip(calls["collate"], calls["policy_loss"]):
+    for (_, x), (_, adv) in zip(calls["collate"], calls["token_advantages"]):
         for b in range(len(x["ids"])):
             ids = x["ids"][b, :int(x["attn"][b].sum())].tolist()
             s = next((s for s in samples if len(s.policy) > 1 and s.ids == ids), None)
@@ -664,6 +587,6 @@ def test_an_rl_step_in_full_context_trains_each_growing_trajectory_as_one_row(sf
                 a_m_at[a:e] = v
             for a, e in s.policy:       # the sampled tokens alone: no advantage on context, tool results, prefixes
                 want[a:e] = s.adv_t + a_m_at[a:e]
-            assert torch.allclose(p["advantages"][b], want, atol=1e-6), (p["advantages"][b] - want).abs().max()
+            assert torch.allclose(adv[b], want, atol=1e-6), (adv[b] - want).abs().max()
             seen += 1
     assert seen == one_rows

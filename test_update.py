@@ -1,6 +1,7 @@
-"""The PPO update (train.ppo_update) on hand-built samples: it changes weights, its gradient equals a naive
-per-trajectory loss with or without micro-batches, it moves log-probabilities the way the advantages point,
-and a non-finite batch is skipped with the weights untouched."""
+"""The update (train.update: REINFORCE by default, ppo.ppo_update for PPO's knobs) on hand-built samples: it
+changes weights, its gradient equals a naive per-trajectory loss with or without micro-batches, the default path
+and PPO's at its first step give the same weights, it moves log-probabilities the way the advantages point, and a
+non-finite batch is skipped with the weights untouched."""
 import copy
 import inspect
 
@@ -9,6 +10,7 @@ import torch
 
 import data
 import grpo
+import ppo
 import train
 
 
@@ -23,39 +25,62 @@ def hand_built_samples(n=6, seed=0):
     return out
 
 
-def test_ppo_update_changes_weights_and_reports_the_on_policy_loss_and_padding_by_hand():
-    """On policy the ratio is 1, so the token-mean loss is -(sum of the policy tokens' advantages) / their count:
-    each row's A_T on its L - 5 policy tokens plus its A_M on the 2 of them inside its <mem> span (by hand). The
-    padding waste ppo_update counts (over every rank) is grpo.padding_waste of the same micro-batches."""
+def test_the_default_update_changes_weights_and_reports_the_reinforce_loss_and_padding_by_hand():
+    """The default update's loss is -(sum over the policy tokens of A * log p) / their count: each row's A_T on its
+    L - 5 policy tokens plus its A_M on the 2 of them inside its <mem> span, times the log-probabilities before the
+    step (computed here apart, row by row). The padding waste is grpo.padding_waste of the same micro-batches."""
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     cfg = train.parse_args(["--lr", "1e-2", "--micro-tokens", "40"])      # forces several micro-batches
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     samples = hand_built_samples()
     before = [p.detach().clone() for p in model.parameters()]
-    m = train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
+    weighted = 0.0
+    with torch.no_grad():
+        for s in samples:
+            logp = grpo.token_logprobs(model, torch.tensor([s.ids]), torch.ones(1, len(s.ids)), cfg.temperature)[0]
+            adv = torch.full((len(s.ids),), s.adv_t)
+            adv[s.mem[0][0]:s.mem[0][1]] += s.mem[0][2]
+            weighted += (adv * logp)[5:].sum().item()                   # the policy tokens: from position 5 on
+    m = train.update(model, None, opt, samples, cfg, tok.pad_token_id)
     assert "skipped" not in m
-    adv_sum = sum((len(s.ids) - 5) * s.adv_t + 2 * s.mem[0][2] for s in samples)
-    assert m["loss"] == pytest.approx(-adv_sum / sum(len(s.ids) - 5 for s in samples), abs=1e-6)
+    assert m["loss"] == pytest.approx(-weighted / sum(len(s.ids) - 5 for s in samples), abs=1e-5)
     batches = grpo.micro_batches(samples, 40)
     assert len(batches) >= 3 and m["padding_waste"] == pytest.approx(grpo.padding_waste(batches), abs=1e-12)
     assert m["padding_waste"] > 0                                       # rows of unequal length share a batch
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_ppo_update_with_two_epochs_and_kl_reference_is_finite():
+def test_the_default_reinforce_step_and_ppos_first_step_give_the_same_weights_bit_for_bit():
+    """At one epoch and one mini-batch every PPO ratio is exactly 1 and the clip never acts, so ppo.ppo_update's
+    clipped loss has -(A * d log p) as its gradient, float for float: the default path is that step, written
+    plainly. Several micro-batches, A_T and A_M, AdamW: the same weights after, bit for bit."""
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    twin = copy.deepcopy(model)
+    cfg = train.parse_args(["--lr", "1e-2", "--micro-tokens", "40"])
+    train.reinforce_update(model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), hand_built_samples(), cfg,
+                           tok.pad_token_id)
+    ppo.ppo_update(twin, None, torch.optim.AdamW(twin.parameters(), lr=cfg.lr), hand_built_samples(), cfg,
+                   tok.pad_token_id)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    start = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), start.parameters()))
+
+
+def test_ppo_with_two_epochs_and_kl_reference_is_finite():
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     ref = copy.deepcopy(model)
     cfg = train.parse_args(["--lr", "1e-2", "--ppo-epochs", "2", "--kl-coef", "0.1", "--agg", "seq-mean-token-mean"])
-    m = train.ppo_update(model, ref, torch.optim.AdamW(model.parameters(), lr=cfg.lr), hand_built_samples(seed=1),
+    m = train.update(model, ref, torch.optim.AdamW(model.parameters(), lr=cfg.lr), hand_built_samples(seed=1),
                          cfg, tok.pad_token_id)
     assert "skipped" not in m and m["clip_frac"] > 0      # epoch 2 moved off-policy
     assert m["kl"] > 1e-6                                  # ... and away from the reference
     # one epoch against a reference equal to the policy: k3 is exactly 0 on every token
     model2 = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     cfg1 = train.parse_args(["--kl-coef", "0.1", "--agg", "seq-mean-token-mean"])
-    m1 = train.ppo_update(model2, copy.deepcopy(model2), torch.optim.AdamW(model2.parameters()),
+    m1 = train.update(model2, copy.deepcopy(model2), torch.optim.AdamW(model2.parameters()),
                           hand_built_samples(seed=1), cfg1, tok.pad_token_id)
     assert m1["kl"] == 0.0
 
@@ -66,7 +91,7 @@ def _sgd_step(samples, cfg_args, seed=0):
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, seed=seed)
     cfg = train.parse_args(cfg_args + ["--grad-clip", "1e9", "--temperature", "1"])   # the naive loss has no T
     before = [p.detach().clone() for p in model.parameters()]
-    m = train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), samples, cfg, tok.pad_token_id)
+    m = train.update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), samples, cfg, tok.pad_token_id)
     assert "skipped" not in m
     return [b - p.detach() for b, p in zip(before, model.parameters())], m
 
@@ -126,7 +151,7 @@ def test_update_raises_logprob_of_positive_and_lowers_negative_advantage_tokens(
             return token_logprobs(model, ids, torch.ones_like(ids))[0, s.n_prompt:].sum().item()
     before = policy_logp(up), policy_logp(down)
     cfg = train.parse_args(["--lr", "1e-3"])
-    train.ppo_update(model, None, torch.optim.SGD(model.parameters(), lr=cfg.lr), [up, down], cfg, tok.pad_token_id)
+    train.update(model, None, torch.optim.SGD(model.parameters(), lr=cfg.lr), [up, down], cfg, tok.pad_token_id)
     after = policy_logp(up), policy_logp(down)
     assert after[0] > before[0] and after[1] < before[1]
 
@@ -137,7 +162,7 @@ def test_non_finite_update_is_skipped_and_weights_untouched():
     samples = hand_built_samples()
     samples[0].adv_t = float("nan")
     before = [p.detach().clone() for p in model.parameters()]
-    m = train.ppo_update(model, None, torch.optim.AdamW(model.parameters()), samples, train.parse_args([]),
+    m = train.update(model, None, torch.optim.AdamW(model.parameters()), samples, train.parse_args([]),
                          tok.pad_token_id)
     assert m["skipped"].startswith("non-finite")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -162,16 +187,16 @@ def test_each_minibatch_is_one_optimizer_step_over_its_own_token_counts(agg):
     samples = hand_built_samples(n=8, seed=2)
     for i, s in enumerate(samples):
         s.traj = [0, 0, 0, 1, 1, 2, 3, 3][i]
-    parts = train.minibatch_split(samples, 2)
+    parts = ppo.minibatch_split(samples, 2)
     assert [sorted({s.traj for s in p}) for p in parts] == [[0, 1], [2, 3]]      # whole trajectories, in order
-    assert train.minibatch_split(samples, 1) == [samples]
+    assert ppo.minibatch_split(samples, 1) == [samples]
     tok = data.build_tokenizer()
     for n, first in ((1, samples), (2, parts[0])):
         model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, seed=0)
         cfg = train.parse_args(["--agg", agg, "--micro-tokens", "40", "--grad-clip", "1e9", "--temperature", "1",
                                 "--ppo-minibatches", str(n)])
         opt = CountingSGD(model.parameters(), lr=1.0)
-        m = train.ppo_update(model, None, opt, samples, cfg, tok.pad_token_id)
+        m = train.update(model, None, opt, samples, cfg, tok.pad_token_id)
         assert "skipped" not in m and len(opt.grads) == n
         for a, g in zip(opt.grads[0], _naive_gradient(first, agg)):
             assert torch.allclose(a, g, atol=1e-6), (a - g).abs().max()
@@ -186,9 +211,9 @@ def test_the_clip_acts_from_the_second_minibatch_on():
     for n in (1, 2):
         model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
         cfg = train.parse_args(["--lr", "3e-2", "--ppo-minibatches", str(n)])
-        ratios[n] = train.ppo_update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr), samples, cfg,
+        ratios[n] = train.update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr), samples, cfg,
                                      tok.pad_token_id)
-    assert ratios[1]["clip_frac"] == 0.0 and ratios[2]["clip_frac"] > 0
+    assert "clip_frac" not in ratios[1] and ratios[2]["clip_frac"] > 0      # one step: REINFORCE, nothing to clip
 
 
 def _growing_trajectory():
@@ -226,19 +251,19 @@ def test_asymmetric_clip_bounds_and_the_dual_clip_reach_policy_loss(monkeypatch)
     """--clip-low 0.1 --clip-high 0.3 --dual-clip 3 over two mini-batches (the clip acts from the second): every
     policy_loss call gets each bound in its own place (swapped or symmetric bounds fail here)."""
     seen = []
-    real = train.policy_loss
+    real = ppo.policy_loss
 
     def spy(*a, **kw):
         args = inspect.signature(real).bind(*a, **kw)
         args.apply_defaults()
         seen.append((args.arguments["clip_low"], args.arguments["clip_high"], args.arguments["dual_clip"]))
         return real(*a, **kw)
-    monkeypatch.setattr(train, "policy_loss", spy)
+    monkeypatch.setattr(ppo, "policy_loss", spy)
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
     cfg = train.parse_args(["--clip-low", "0.1", "--clip-high", "0.3", "--dual-clip", "3", "--ppo-minibatches", "2",
                             "--lr", "3e-2"])
-    m = train.ppo_update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr), hand_built_samples(n=8, seed=1),
+    m = train.update(model, None, torch.optim.AdamW(model.parameters(), lr=cfg.lr), hand_built_samples(n=8, seed=1),
                          cfg, tok.pad_token_id)
     assert "skipped" not in m and m["clip_frac"] > 0
     assert len(seen) >= 2 and set(seen) == {(0.1, 0.3, 3.0)}

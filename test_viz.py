@@ -146,7 +146,7 @@ def test_memory_rewards_on_the_page(step):
 
 def test_every_token_carries_the_advantage_it_was_trained_with(step):
     """A_T on every sampled token, + w * A_M on the <mem> span, nothing on the forced prefix (rl_step's rows)."""
-    mem, tok = step["mem"], step["tok"]
+    tok = step["tok"]
     cells = {(int(c["data-traj"]), int(c["data-round"])): c for c in parse(step["page"]).cells}
     n_coloured = 0
     for i, traj in enumerate(step["trajs"]):
@@ -258,7 +258,7 @@ def test_format_episode_fits_100_columns(step):
     assert all(len(line) <= 100 for line in format_episode(record["questions"][0], long).splitlines())
 
 
-# ---------------------------------------------------------------- the hooks: train.py --viz-every, eval.py --show / --viz
+# -------------------------------------------------------------- the hooks: train.py --viz-every, eval.py --show / --viz
 def test_train_viz_every_writes_the_pages_of_the_steps_it_logged(sft_run, tmp_path):
     import train
     run = tmp_path / "run"

@@ -1,26 +1,16 @@
-"""Variants of MemPO's advantages that the paper does not have, kept beside its path so that path reads alone.
+"""The one variant of MemPO's memory advantage kept beside the paper's path: the ``nonzero`` pool.
 
-* The memory advantage's pool (``--mem-adv-norm``, ``--mem-std-floor``). The paper's, ``std``, is every round of
-  every trajectory of a question (``grpo.memory_advantage``). Here: ``none`` subtracts the pool mean only;
-  ``round`` pools per question AND round index (round-1 memories compete only with round-1 memories);
-  ``nonzero`` leaves zero rewards (usually both probes silent: no signal) out of the pool, with advantage 0;
-  ``std_floor`` > 0 divides by max(std, floor), so a pool whose rewards differ by a hair gets advantages of that
-  hair's size, not unit variance.
-* Which rounds get a memory advantage (``--mem-adv-on``). The paper's, ``all``: every scored round. ``right``: only
-  the rounds of trajectories whose outcome is right (all K objectives), pooled among themselves; a memory before
-  a wrong answer (an early one, a slot filled from a dropped entry) is neither paid nor pushed down.
-* The outcome score the advantage ranks (``--outcome``). The paper's, ``share``, is objectives right / K. Here:
-  ``all`` is 1 only when all K are right; ``searched`` is the share, but 0 for an answer given after fewer searches
-  than the question has hops (the embedded world's questions; elsewhere the share).
+The paper's pool (``grpo.memory_advantage``) normalises every scored round of every trajectory of a question
+together. ``--mem-adv-norm nonzero`` leaves out the rounds whose memory reward is 0 (in practice both probes silent:
+no signal) with A_M 0, and normalises the rest of the question's rounds among themselves. Where most rounds carry
+no signal, the paper's pool ranks every silent round below every round with a signal; here they are neither paid
+nor pushed down. Measured against the paper's pool in results/STUDIES.md; not the default.
 
-Each was measured against the paper's and none is the default (results/STUDIES.md); metrics.py reads the pools to
-log where the memory advantage's magnitude goes.
+``memory_pool_weights`` reads the pools for metrics.py: where the memory advantage's magnitude goes.
 """
 from __future__ import annotations
 
-import data
-
-NORMS = ("std", "none", "round", "nonzero")
+import torch
 
 
 def _unbiased_std(values: list[float]) -> float:
@@ -29,54 +19,33 @@ def _unbiased_std(values: list[float]) -> float:
     return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
 
 
-def memory_pools(rewards: list[float], question_ids: list[int], round_ids: list[int], norm: str,
-                 keep: list[bool] | None = None) -> list[list[int]]:
-    """Who competes with whom under ``norm``: the pools, as lists of positions in ``rewards`` (one per scored
-    round; ``round_ids`` is each one's round index t). A round whose ``keep`` is False is in no pool."""
-    if norm not in NORMS:
-        raise ValueError(f"unknown norm {norm!r}")
-    pools: dict[tuple, list[int]] = {}
-    for j, (r, q, t) in enumerate(zip(rewards, question_ids, round_ids)):
-        if norm == "nonzero" and r == 0 or keep is not None and not keep[j]:
-            continue
-        pools.setdefault((q, t) if norm == "round" else (q,), []).append(j)
+def memory_pools(rewards: list[float], question_ids: list[int], norm: str = "std") -> list[list[int]]:
+    """Who competes with whom: the pools, as lists of positions in ``rewards`` (one per scored round), one pool per
+    question; under ``nonzero`` a zero reward is in no pool."""
+    pools: dict[int, list[int]] = {}
+    for j, (r, q) in enumerate(zip(rewards, question_ids)):
+        if not (norm == "nonzero" and r == 0):
+            pools.setdefault(q, []).append(j)
     return list(pools.values())
 
 
-def pooled_memory_advantage(rewards: list[float], question_ids: list[int], round_ids: list[int], norm: str = "std",
-                            std_floor: float = 0.0, keep: list[bool] | None = None, eps: float = 1e-6) -> list[float]:
-    """A_M of each scored round under the pool ``norm`` and ``std_floor`` (module docstring); a pool of one gets 0,
-    and so does a round ``keep`` leaves out (``--mem-adv-on right``: keep the rounds of right trajectories).
-    ``norm="std"`` with no floor or keep is the paper's pool (``grpo.memory_advantage``)."""
+def nonzero_memory_advantage(mem_reward: torch.Tensor, question_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """A_M of each scored round, its question's nonzero rewards normalised among themselves (unbiased std, as the
+    paper's pool); a zero reward, or a pool of one, gets 0. mem_reward, question_ids (M,) -> (M,) float64."""
+    rewards = mem_reward.tolist()
     out = [0.0] * len(rewards)
-    for members in memory_pools(rewards, question_ids, round_ids, norm, keep):
-        pool = [rewards[j] for j in members]
-        mean = sum(pool) / len(pool)
-        if norm == "none":
-            normed = [v - mean for v in pool]
-        elif len(pool) == 1:
-            normed = [0.0]
-        else:
-            std = max(_unbiased_std(pool), std_floor)
-            normed = [(v - mean) / (std + eps) for v in pool]
-        for j, a in zip(members, normed):
-            out[j] = a
-    return out
+    for members in memory_pools(rewards, question_ids.tolist(), "nonzero"):
+        if len(members) > 1:
+            pool = [rewards[j] for j in members]
+            mean, std = sum(pool) / len(pool), _unbiased_std(pool)
+            for j, v in zip(members, pool):
+                out[j] = (v - mean) / (std + eps)
+    return torch.tensor(out, dtype=torch.float64)
 
 
-def memory_pool_weights(rewards: list[float], mem_adv: list[float], question_ids: list[int], round_ids: list[int],
+def memory_pool_weights(rewards: list[float], mem_adv: list[float], question_ids: list[int],
                         norm: str = "std") -> list[tuple[float, float]]:
     """(unbiased reward std, sum of |A_M|) of each pool of >= 2 rewards: how much of the memory advantage's
     magnitude a pool of a given spread carries (a pool whose rewards differ by 1e-3 still gets unit variance)."""
     return [(_unbiased_std([rewards[j] for j in members]), sum(abs(mem_adv[j]) for j in members))
-            for members in memory_pools(rewards, question_ids, round_ids, norm) if len(members) > 1]
-
-
-def outcome_scores(outs: list[dict], trajs: list, rule: str = "share") -> list[float]:
-    """The score each trajectory's outcome advantage ranks under ``rule`` (module docstring); ``outs`` are
-    ``reward.outcome_reward``'s."""
-    if rule == "all":
-        return [o["em"] for o in outs]
-    if rule == "searched":
-        return [0.0 if data.early_answer(t) == 1.0 else o["score"] for o, t in zip(outs, trajs)]
-    return [o["score"] for o in outs]
+            for members in memory_pools(rewards, question_ids, norm) if len(members) > 1]

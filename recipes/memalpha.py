@@ -15,7 +15,7 @@
           of a chunk count drawn from ``--rl-chunks`` (``rl_chunk_counts``);
           reward per chunk step r1 + r2 + beta r3 + gamma r4 (``memalpha_rewards``); ONE group =
           every chunk step of every rollout of an instance, std-normalised (``grpo.grouped_advantage``);
-          every chunk step is a training row (context + output, loss on output) for the shared ``ppo_update``.
+          every chunk step is a training row (context + output, loss on output) for the shared ``train.update``.
 
 Choices: the tokenizer is ``build_memalpha_tokenizer`` (word-level, JSON glue as tokens: a name is the
 same one token in the chunk and in the call, so copying is a pointer step); ``--tokenizer bpe`` is the
@@ -31,10 +31,11 @@ The default start is the paper's Table 3 one, a writer RL can teach what to keep
 of the reports and leaves core empty), then 80 GRPO steps sampled at T 0.4 with beta 0. ``--writer scripted`` is the
 cold start that stores every fact, from which GRPO makes the calls valid, not the memory better.
 
-    python -m recipes.memalpha --run runs/memalpha          # then: python -m recipes.memalpha_eval --checkpoint runs/memalpha
+    python -m recipes.memalpha --run runs/memalpha
+    python -m recipes.memalpha_eval --checkpoint runs/memalpha            # after it
 
 Built from the shared pieces: the engine (``engine.generate``), ``grpo.py`` (advantages, rows), ``sft.run_sft``
-and ``train.ppo_update``; checkpoints and ``--resume`` through checkpoint.py. The memory and its tool calls are
+and ``train.update``; checkpoints and ``--resume`` through checkpoint.py. The memory and its tool calls are
 in ``recipes/memalpha_memory.py``, the task, the scripted writer and the tokenizer in ``recipes/memalpha_data.py``,
 the evaluation against the raw-chunk baselines in ``recipes/memalpha_eval.py``.
 
@@ -102,7 +103,7 @@ class MemAlphaConfig(train.Config):
     rl_steps: int = flag(80, "GRPO steps (0 skips)", min=0)     # a writer that keeps a quarter has more to learn
     max_new_tokens: int = flag(192, "max tokens the writer generates per chunk", min=1)
     micro_tokens: int = flag(4096, "token budget of one update micro-batch", min=1)
-    mem_weight: float = flag(0.0, "unused: no <mem> spans in Mem-alpha (ppo_update reads it)", min=0)
+    mem_weight: float = flag(0.0, "unused: no <mem> spans in Mem-alpha (train.update reads it)", min=0)
     vocab: int = flag(800, "BPE vocabulary size (--tokenizer bpe)", min=1)
     answerer: str = flag("", "HF path of r1's frozen answerer (default: a frozen copy after SFT)")
     # the chunk horizon: SFT teaches at --sft-chunks, GRPO may reach past it, memalpha_eval --chunks measures
@@ -456,7 +457,7 @@ def step_groups(rollouts: list, per_chunk: bool = False) -> list[int]:
 
 
 def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, step: int, instances=None) -> dict:
-    """One GRPO step: rollouts -> r1..r4 -> advantages grouped per instance over chunk steps -> ppo_update."""
+    """One GRPO step: rollouts -> r1..r4 -> advantages grouped per instance over chunk steps -> train.update."""
     if instances is None:
         rng = random.Random(cfg.seed * 7_000_003 + step)
         instances = memalpha_instances(cfg, rng.randrange(10**9), cfg.instances, rng.randrange(10**9),
@@ -489,7 +490,7 @@ def memalpha_step(model, answerer, tokenizer, optimizer, cfg: MemAlphaConfig, st
     if not samples or all(abs(s.adv_t) < 1e-6 for s in samples):
         m["skipped"] = "all advantages are zero"
     else:
-        m.update(train.ppo_update(model, None, optimizer, samples, cfg, tokenizer.pad_token_id))
+        m.update(train.update(model, None, optimizer, samples, cfg, tokenizer.pad_token_id))
     m["sec_update"] = time.time() - t0
     return m
 

@@ -11,8 +11,8 @@ failures are made of (``--writer weak``): ``entries_kept``, the share of the scr
 final memory holds word for word, and ``core_empty``, the share of its final memories with an empty core.
 Baselines on the same streams with the same answerer: ``long_context`` (the newest raw chunks that fit
 ``--context-tokens``) and ``rag_top2`` (BM25 top-2 raw chunks for the question). Memory tokens of a
-baseline = what it keeps: the chunks in its window, or every chunk for RAG. The embedded answerer learnt raw-chunk contexts in SFT too
-(``recipes.memalpha.memalpha_raw_rows``), so the three conditions share one answerer.
+baseline = what it keeps: the chunks in its window, or every chunk for RAG. The embedded answerer learnt raw-chunk
+contexts in SFT too (``recipes.memalpha.memalpha_raw_rows``), so the three conditions share one answerer.
 
     python -m recipes.memalpha_eval --checkpoint runs/memalpha [--data chunks.jsonl]
     python -m recipes.memalpha_eval --checkpoint runs/memalpha --chunks 4 8 16     # past the training horizon

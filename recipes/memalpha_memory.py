@@ -257,7 +257,8 @@ def _tool_call(body: str, tool_args: dict) -> ToolCall:
     required, optional = tool_args[name]
     missing = [a for a in required if a not in args]
     extra = [a for a in args if a not in required + optional]
-    wrong = [a for a in args if a not in extra and not (isinstance(args[a], str) or (a == "memory_id" and args[a] is None))]
+    wrong = [a for a in args
+             if a not in extra and not (isinstance(args[a], str) or (a == "memory_id" and args[a] is None))]
     if missing or extra or wrong:
         why = "; ".join(f"{k}: {', '.join(map(str, v))[:80]}" for k, v in
                         (("missing", missing), ("unexpected", extra), ("not a string", wrong)) if v)

@@ -3,7 +3,7 @@
     python -m recipes.memtrain --model SFT_RUN/final --run runs/memtrain    # then: train.py --model runs/memtrain/final
 
 Built from the shared pieces: the engine (``engine.generate``), ``grpo.py`` (Dr.GRPO advantages, the DAPO
-filter, rows), ``sft.run_sft`` and train.py's run (model loading, ``ppo_update``, the RL loop, checkpoints).
+filter, rows), ``sft.run_sft`` and train.py's run (model loading, ``update``, the RL loop, checkpoints).
 The proxy tasks are in ``recipes/memtrain_tasks.py``; the evaluation in ``recipes/memtrain_eval.py``.
 
 **The training step.** --questions masked-reconstruction tasks (a fresh embedded world each step, or
@@ -14,7 +14,7 @@ The proxy tasks are in ``recipes/memtrain_tasks.py``; the evaluation in ``recipe
     groups whose R are all equal are dropped             (DAPO: grpo.filter_groups; count logged)
 
 and every memory-update step of a kept trajectory is a training row carrying A_i, through the shared
-ppo_update. Choices: each of the G2 IMR rollouts draws its own (k, l, target), so they probe different
+update. Choices: each of the G2 IMR rollouts draws its own (k, l, target), so they probe different
 memories; IMR rollouts are not training rows (their only job is the reward); KL and lr are the common
 flags (paper: KL 1e-3, lr 1e-6 on 7B). There is no --init-from: --model RUN/final already loads a
 checkpoint (tokenizer with [MASK] included) and starts RL from it, so MemPO / GRPO after MemTrain is
@@ -180,7 +180,8 @@ def _step_batch(model, tokenizer, contexts: list[list[int]], last: bool, cfg: Me
 
 def memory_rollout(model, tokenizer, tasks: list, group_size: int, cfg: MemAgentConfig,
                    generator: torch.Generator | None = None) -> list[MemTrajectory]:
-    """``group_size`` memory-agent rollouts per task (``memtrain_tasks.MemTrainTask``), batched across rollouts, step by step."""
+    """``group_size`` memory-agent rollouts per task (``memtrain_tasks.MemTrainTask``), batched across rollouts,
+    step by step."""
     trajs = [MemTrajectory(task.problem, task.answer, gid, task.chunks)
              for gid, task in enumerate(tasks) for _ in range(group_size)]
     for t in range(max(len(x.chunks) for x in trajs)):
@@ -241,7 +242,8 @@ def memtrain_tasks(cfg: MemTrainConfig, step: int, real_tool=None) -> tuple[list
             frozenset(data.name_pool()))
 
 
-def imr_scores(model, tokenizer, trajs, n_imr: int, agent: MemAgentConfig, rng: random.Random, names, gen) -> torch.Tensor:
+def imr_scores(model, tokenizer, trajs, n_imr: int, agent: MemAgentConfig, rng: random.Random, names,
+               gen) -> torch.Tensor:
     """IMR rewards (N, G2): for each trajectory, G2 draws of (step k, chunk l < k, target), answered from o_k."""
     items, where = [], []
     for i, x in enumerate(trajs):
@@ -313,7 +315,7 @@ def memtrain_step(model, ref_model, tokenizer, optimizer, cfg: MemTrainConfig, s
         m["skipped"] = "every group dropped by the DAPO filter"
         m["sec_update"] = time.time() - t0
         return m
-    m.update(train.ppo_update(model, ref_model, optimizer, samples, cfg, tokenizer.pad_token_id))
+    m.update(train.update(model, ref_model, optimizer, samples, cfg, tokenizer.pad_token_id))
     m["sec_update"] = time.time() - t0
     return m
 
@@ -333,7 +335,8 @@ def main(argv=None) -> None:
     def take_step(model, ref_model, optimizer, s: int) -> dict:      # one MemTrain RL step
         return memtrain_step(model, ref_model, tokenizer, optimizer, cfg, s, real_tool)
 
-    warmup = (lambda: run_memtrain_warmup(model, tokenizer, cfg, metrics_path, real_tool)) if cfg.memtrain_warmup else None
+    warmup = (lambda: run_memtrain_warmup(model, tokenizer, cfg, metrics_path, real_tool)) \
+        if cfg.memtrain_warmup else None
     train.train_policy(cfg, model, tokenizer, prompt, state, trainer, metrics_path, take_step, trajectories, warmup,
                        validate=not cfg.data)
 

@@ -20,7 +20,8 @@ from eval import load
 from flags import Accepts, FlagParser
 from models import pick_device
 from recipes.memtrain import MemAgentConfig, imr_rollout, memory_rollout, reconstruction_reward
-from recipes.memtrain_tasks import MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks, world_memtrain_tasks
+from recipes.memtrain_tasks import (MEMTRAIN_WORDS, add_words, imr_task, masked_reconstruction_tasks,
+                                    world_memtrain_tasks)
 
 SPLIT_SEEDS = data.SPLIT_SEEDS
 
@@ -83,7 +84,8 @@ def main(argv=None) -> None:
     if args.corpus:
         sets["corpus"] = memtrain_heldout(args.tasks, args.split, args.seed, args.max_chunks,
                                           data.load_corpus(args.corpus))
-    res = {k: evaluate_memtrain(model, tokenizer, t, names, args.mem_tokens, args.seed) for k, (t, names) in sets.items()}
+    res = {k: evaluate_memtrain(model, tokenizer, t, names, args.mem_tokens, args.seed)
+           for k, (t, names) in sets.items()}
     print(json.dumps({"checkpoint": args.checkpoint, "split": args.split, "memtrain": res}))
 
 

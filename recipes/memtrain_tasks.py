@@ -42,7 +42,8 @@ from search import bm25_tokens
 MASK, TARGET = "[MASK]", "[TARGET]"
 MEMTRAIN_WORDS = [MASK, TARGET, "which", "entity", "is", "of"]   # words the world's vocabulary lacks
 MONTHS = ("January|February|March|April|May|June|July|August|September|October|November|December")
-DATE_RE = re.compile(rf"\b(?:(?:{MONTHS}) \d{{1,2}}(?:, \d{{4}})?|\d{{1,2}} (?:{MONTHS})(?: \d{{4}})?|(?:{MONTHS}) \d{{4}})\b")
+DATE_RE = re.compile(rf"\b(?:(?:{MONTHS}) \d{{1,2}}(?:, \d{{4}})?|\d{{1,2}} (?:{MONTHS})(?: \d{{4}})?"
+                     rf"|(?:{MONTHS}) \d{{4}})\b")
 CAPS_RE = re.compile(r"\b[A-Z][\w'\-]*(?:\s+(?:of|de|von|van|the)?\s*[A-Z][\w'\-]*)*")
 NUMBER_RE = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?![\w])")
 FUNCTION_WORDS = {"The", "A", "An", "In", "On", "At", "It", "He", "She", "They", "We", "I", "This", "That",
@@ -98,7 +99,8 @@ def replace_entity(text: str, entity: str, placeholder: str) -> str:
 def world_memtrain_docs(world: World) -> list[dict]:
     """The world's fact documents plus one paraphrase per fact (``mira is friend of kalo``): a masked fact
     stays recoverable from another passage."""
-    para = [{"id": f"p{i}", "contents": f"{o} is {r} of {s}"} for i, ((s, r), o) in enumerate(sorted(world.facts.items()))]
+    para = [{"id": f"p{i}", "contents": f"{o} is {r} of {s}"}
+            for i, ((s, r), o) in enumerate(sorted(world.facts.items()))]
     return list(world.docs) + para
 
 
@@ -171,9 +173,10 @@ def world_memtrain_tasks(world_seed: int, n: int, seed: int = 0, max_chunks: int
 
 @dataclass
 class IMRTask:
-    """Intermediate memory recall: memory written at step ``k`` + chunk ``l < k`` with ``[TARGET]`` -> ``target``."""
+    """Intermediate memory recall: memory written at step ``k`` + chunk l < k (``chunk_step``) with ``[TARGET]`` ->
+    ``target``."""
     k: int
-    l: int
+    chunk_step: int
     chunk: str
     target: str
     problem: str = problem_text(TARGET)
@@ -186,12 +189,12 @@ def imr_task(chunks: list[str], n_steps: int, rng: random.Random,
     ``n_steps`` = memories written by the rollout (step t reads ``chunks[t]``). None when no earlier chunk
     holds an entity (or the rollout wrote fewer than two memories).
     """
-    pairs = [(k, l) for k in range(1, min(n_steps, len(chunks))) for l in range(k) if entity_spans(chunks[l], names)]
+    pairs = [(k, j) for k in range(1, min(n_steps, len(chunks))) for j in range(k) if entity_spans(chunks[j], names)]
     if not pairs:
         return None
-    k, l = rng.choice(pairs)
-    target = rng.choice(entity_spans(chunks[l], names))
-    return IMRTask(k, l, replace_entity(chunks[l], target, TARGET), target)
+    k, chunk_step = rng.choice(pairs)
+    target = rng.choice(entity_spans(chunks[chunk_step], names))
+    return IMRTask(k, chunk_step, replace_entity(chunks[chunk_step], target, TARGET), target)
 
 
 def memtrain_expert_rounds(task: MemTrainTask, mem_words: int = 40) -> list[str]:

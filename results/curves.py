@@ -51,7 +51,8 @@ def run_curve(run: str, ks: list[int], tasks: int) -> dict:
     steps = [s for s, _ in models]
     window = lambda s: [r["score"] for r in rows if s - 20 <= r["step"] < s] or [rows[0]["score"]]
     return {"steps": steps, "f1": f1,
-            "kl": [next((r["kl"] for r in reversed(rows[:s]) if "kl" in r), 0.0) for s in steps],   # skipped steps log none
+            # skipped steps log none
+            "kl": [next((r["kl"] for r in reversed(rows[:s]) if "kl" in r), 0.0) for s in steps],
             "score": [sum(window(s)) / len(window(s)) if s else rows[0]["score"] for s in steps],
             "zero_var": sum(r["zero_var_frac"] for r in rows) / len(rows),
             "zero_var_mem": sum(r["zero_var_mem_frac"] for r in rows) / len(rows)}

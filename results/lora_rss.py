@@ -74,8 +74,8 @@ def main() -> None:
     with mock.patch.object(train, "rollout", half_forced), mock.patch.object(train, "load_pretrained", load):
         train.main(["--run", args.run, "--model", args.model, "--data", files[0], "--corpus", files[1],
                     "--questions", "2", "--group", "4", "--max-turns", "1", "--max-new-tokens", "64",
-                    "--rl-steps", str(args.steps), "--eval-every", "0", "--no-log-kl", "--lora-rank", str(args.lora_rank),
-                    "--lr", "1e-4", "--micro-tokens", str(args.micro_tokens)])
+                    "--rl-steps", str(args.steps), "--eval-every", "0", "--no-log-kl",
+                    "--lora-rank", str(args.lora_rank), "--lr", "1e-4", "--micro-tokens", str(args.micro_tokens)])
     rows = [json.loads(line) for line in open(os.path.join(args.run, "metrics.jsonl"))]
     print(json.dumps({"lora_rank": args.lora_rank, "micro_tokens": args.micro_tokens, "steps": args.steps,
                       "updated": sum("skipped" not in r for r in rows), "tokens": [r["tokens"] for r in rows],

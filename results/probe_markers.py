@@ -69,7 +69,8 @@ def main() -> None:
             groups: dict = {}
             for n, (i, t) in enumerate(r["scored"]):
                 groups.setdefault(("full", holds(trajs[i].golds, seen[i][t])), []).append(r["p_full"][n])
-                groups.setdefault(("mem", holds(trajs[i].golds, extract_mem(trajs[i].rounds[t].text))), []).append(r["p_mem"][n])
+                groups.setdefault(("mem", holds(trajs[i].golds, extract_mem(trajs[i].rounds[t].text))),
+                                  []).append(r["p_mem"][n])
             cell = lambda k: (f"{sum(groups[k]) / len(groups[k]):.3f} ({len(groups[k])})" if groups.get(k) else "-")
             reward = sum(r["reward"]) / max(r["n"], 1)
             print(f"| {path} | {marker}{' (auto)' if marker == auto else ''} | {r['n']} | {cell(('full', 'all'))} | "

@@ -1,8 +1,8 @@
 """Tables of the full-context regime study (results/STUDIES.md): SFT, MemPO and GRPO per K, in the snail shell and in
 the full context, and MemPO - GRPO paired by SFT seed.
 
-Reads the JSON line ``eval.py`` prints last, one file per (arm, seed, context): ``RUNS/eval_{arm}_s{seed}_{context}.txt``
-as written by
+Reads the JSON line ``eval.py`` prints last, one file per (arm, seed, context):
+``RUNS/eval_{arm}_s{seed}_{context}.txt`` as written by
 
     python eval.py --checkpoint C --objectives 1 2 3 4 5 6 8 --tasks 64 --context snail > RUNS/eval_mempo_s0_snail.txt
 

@@ -121,8 +121,9 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     device = pick_device("auto")
     model, tokenizer, prompt = evaluation.load(a.checkpoint, device)
+    think = checkpoint.trained_probe_think(evaluation.checkpoint_dir(a.checkpoint))
     cfg = train.Config(seed=a.seed, train_context=a.context, temperature=a.temperature, questions=a.questions,
-                       group=a.group, probe_think=checkpoint.trained_probe_think(evaluation.checkpoint_dir(a.checkpoint)))
+                       group=a.group, probe_think=think)
     agent = train.agent_config(cfg, prompt)
     trajs, tasks, t0 = [], [], time.time()
     for step in a.steps:
@@ -136,8 +137,9 @@ def main(argv=None) -> None:
     out = {"checkpoint": a.checkpoint, "seed": a.seed, "steps": a.steps, "context": a.context,
            "temperature": a.temperature} | variety(trajs, tasks, mem) | {"sec": round(time.time() - t0, 1)}
     for key in ("questions", "rollouts", "measured", "varies", "varies_3plus", "varies_rounds",
-                "varies_rounds_3plus", "drop_rounds", "early", "p_mem", "p_full", "p_mem_std", "keep_minus_drop_p_mem", "keep_minus_drop_reward", "keep_minus_drop_adv",
-                "keep_minus_drop_adv_3plus", "retention_3plus"):
+                "varies_rounds_3plus", "drop_rounds", "early", "p_mem", "p_full", "p_mem_std",
+                "keep_minus_drop_p_mem", "keep_minus_drop_reward", "keep_minus_drop_adv", "keep_minus_drop_adv_3plus",
+                "retention_3plus"):
         v = out[key]
         print(f"{key:28s} {v:.3f}" if isinstance(v, float) else f"{key:28s} {v}")
     print("retention by rounds ago      " + "  ".join(f"{k}: {v:.3f}" for k, v in out["retention_by_ago"].items()))
