@@ -17,9 +17,9 @@ functions below are identities: no process group, no wrapper, no communication.
 * Rollouts are split by question: rank r takes questions [r*B/W, (r+1)*B/W) of the step (the same
   ``rl_tasks`` list on every rank) and all G rollouts of each, so a group never spans ranks and the
   outcome advantage, the memory reward and its pool need no communication.
-* Seeding (a choice): rank r samples its share with one generator seeded from (seed, step, r), one
-  batched rollout per rank; rank 0 of 1 uses exactly the single-process seed. A W-rank run therefore
-  draws different (equally distributed) rollouts from a 1-rank run.
+* Seeding (a choice): rank r samples its share with one generator seeded from (seed, step, its first
+  question's index), one batched rollout per rank; rank 0 of 1 uses exactly the single-process seed. A W-rank
+  run therefore draws different (equally distributed) rollouts from a 1-rank run.
 * The update is the single-process update: every loss denominator is the GLOBAL batch's
   (``denominators``: one all_reduce), each rank back-propagates loss * W (DDP and FSDP2 average
   gradients over ranks; the sum over ranks of the per-rank losses is the global loss), gradients

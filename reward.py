@@ -264,10 +264,11 @@ def answer_logprobs(model, contexts: list[list[int]], answers: list[list[int]], 
 
 def answer_prob(logp: Tensor, ans_mask: Tensor, threshold: float = 0.5,
                 conf_mask: Tensor | None = None) -> Tensor:
-    """P = exp(mean logp over ans_mask & confident) per row; logp, masks (B, A) -> (B,); empty -> 0."""
+    """P = exp(mean logp over ans_mask & confident) per row; logp, masks (N, W) -> (N,); empty -> 0. ``logp`` may
+    be per token (W = answer tokens) or, as memory_rewards passes it, per gold word (W = words)."""
     if conf_mask is None:
         conf_mask = logp > (math.log(threshold) if threshold > 0 else -math.inf)
-    mask = ans_mask.bool() & conf_mask.bool()                                      # (B, A)
+    mask = ans_mask.bool() & conf_mask.bool()                                      # (N, W)
     n = mask.sum(-1)
     mean = torch.where(mask, logp, torch.zeros_like(logp)).sum(-1) / n.clamp(min=1)
     return torch.where(n > 0, mean.exp(), torch.zeros_like(mean))

@@ -335,15 +335,17 @@ def test_a_disk_that_fills_at_the_second_checkpoint_stops_in_one_line_and_resume
     """A real small tmpfs: it holds the run and one checkpoint, not two. The step-10 save fails: one line, exit
     != 0, the step-5 checkpoint intact (never removed before its replacement is whole), the half-written copy
     gone; grown again, the same ``--resume`` finishes with the uninterrupted run's weights."""
-    full, _ = between_renames
+    _, killed = between_renames
     mount, remount = small_disk
-    one = disk_size(full / "ckpt")
+    one = disk_size(killed / "ckpt.old")                   # one checkpoint's pages
     disk = mount(one * 3 // 2 + 64 * 1024)
-    run = disk / "run"
+    run, full = disk / "run", disk.parent / "full"        # the reference in its own process, as the resumed run
+    subprocess.run([sys.executable, "train.py", "--run", str(full)] + TINY, cwd=HERE, env=ENV, capture_output=True,
+                   timeout=300, check=True)
     cmd = [sys.executable, "train.py", "--run", str(run)] + TINY
     done = subprocess.run(cmd, cwd=HERE, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "Traceback" not in done.stderr
-    line = done.stderr.strip().splitlines()[-1]
+    line, = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]     # tqdm may draw after it
     assert line == (f"error: could not write {run / 'ckpt.tmp'}: no space left on device; the newest intact "
                     f"checkpoint is {run / 'ckpt'} (sft step 5): free space, then rerun with --resume")
     assert checkpoint.checkpoint_damage(str(run / "ckpt")) is None and saved_step(run / "ckpt") == 5

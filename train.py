@@ -92,7 +92,8 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
 
 
 def rl_tasks(cfg: Config, step: int, real_tasks=None, real_tool=None):
-    """The step's questions and search tool: a fresh embedded world, or a slice of the real QA set."""
+    """The step's questions and search tool: a fresh embedded world (``--questions`` 16 of K in ``--rl-objectives``
+    1-4, ``--rl-hops`` 1-3 hops each; BM25 over its documents, top 3), or a slice of the real QA set."""
     rng = random.Random(cfg.seed * 7_000_003 + step)
     if real_tasks is not None:
         return rng.sample(real_tasks, min(cfg.questions, len(real_tasks))), real_tool
@@ -103,9 +104,10 @@ def rl_tasks(cfg: Config, step: int, real_tasks=None, real_tool=None):
 
 
 def sample_rollouts(model, tokenizer, tasks: list, q0: int, cfg: Config, step: int, tool, agent: AgentConfig) -> list:
-    """G sampled rollouts of each of ``tasks``, whose question ids count from q0 (torchrun: this rank's share
-    starts there), in eval mode under ``--precision``; seeded from (seed, step, rank) (dist.py)."""
-    gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step + dist.DIST.rank * 10**12)
+    """``--group`` (8) sampled rollouts of each of ``tasks``, whose question ids count from q0 (torchrun: this rank's
+    share starts there), in eval mode under ``--precision`` (auto: fp32 on CPU, bf16 autocast on CUDA); seeded from
+    (seed, step, q0)."""
+    gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step + q0 * 10**12)
     model.eval()
     with autocast(cfg.precision, model.device):
         trajs = rollout(model, tokenizer, tasks, cfg.group, tool, agent, gen)
@@ -115,9 +117,11 @@ def sample_rollouts(model, tokenizer, tasks: list, q0: int, cfg: Config, step: i
 
 
 def memory_advantages(model, tokenizer, trajs: list, cfg: Config, mem_advantage=memory_advantage) -> tuple[dict, dict]:
-    """MemPO's memory reward of every round after the first whose ``<mem>`` closed (``reward.memory_rewards``) and
-    its advantage A_M (``mem_advantage``: the paper's pool over the question's rounds, by default), keyed by
-    (trajectory, round)."""
+    """MemPO's memory reward of every round after the first whose ``<mem>`` closed (``reward.memory_rewards``, at the
+    defaults ``--threshold`` 0.5, ``--mem-mask`` separate, and ``--probe-think`` auto = ``probe``, the marker the
+    embedded SFT teaches: ``resolve_probe_think``) and
+    its advantage A_M (``mem_advantage``: the paper's pool over the question's rounds unless ``--mem-adv-norm``
+    nonzero), keyed by (trajectory, round)."""
     with autocast(cfg.precision, model.device):
         mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
                              think=cfg.probe_think)
@@ -160,7 +164,8 @@ def update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, pad_
     PPO's epochs or mini-batches (a second optimizer step on the same rollouts makes the ratio differ from 1, so
     it needs old log-probs and the clip), a reference model (``--kl-coef`` > 0 or ``--log-kl``: its log-probs),
     another ``--agg``, or torchrun (global denominators, gradient sync): each is ``ppo.ppo_update``. At the
-    defaults (1 epoch, 1 mini-batch, no reference, token-mean, plain python) none holds."""
+    defaults none holds: 1 epoch, 1 mini-batch, token-mean, plain python, and no reference (``run_rl`` loads one
+    only for ``--kl-coef`` > 0 or ``--log-kl``)."""
     if cfg.ppo_epochs > 1 or cfg.ppo_minibatches > 1 or ref_model is not None or cfg.agg != "token-mean" \
             or dist.is_dist():
         return ppo_update(model, ref_model, optimizer, samples, cfg, pad_id)
@@ -170,13 +175,14 @@ def update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, pad_
 def reinforce_update(model, optimizer, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
     """One optimizer step on the whole batch: on-policy REINFORCE with the group baseline (the advantages A are
     already centred per question). The loss is -(A * log p) summed over the batch's policy tokens and divided by
-    their count (the batch's, not each micro-batch's), so micro-batches (``--micro-tokens``, sorted by length)
-    change the memory it takes, not the gradient. log p is at the sampling temperature (logits / T, as sampled);
-    the rollouts ran in eval mode and this in train mode: the same log-probs for a model without dropout (the
-    embedded one, Llama's and Qwen's configs at their 0.0 default). The
-    same gradient as PPO's clipped loss at its first step, where every ratio is exactly 1 and the clip never acts
-    (``ppo.py``). Skipped, weights untouched, when every advantage is 0 or the loss or gradient norm is not
-    finite."""
+    their count (the batch's, not each micro-batch's), so micro-batches (``--micro-tokens`` 2048, sorted by length)
+    change the memory it takes, not the gradient; then the gradient clipped to norm ``--grad-clip`` 1 and one step
+    of ``optimizer`` (AdamW at ``--lr`` 3e-5, weight decay 0, torch's default betas and eps, built once when RL
+    starts in ``train_policy``). log p is at the sampling temperature (logits / T, as sampled); the rollouts ran
+    in eval mode and this in train mode: the same log-probs for a model without dropout (the embedded one, Llama's
+    and Qwen's configs at their 0.0 default). The same gradient as PPO's clipped loss at its first step, where
+    every ratio is exactly 1 and the clip never acts (``ppo.py``). Skipped, weights untouched, when every advantage
+    is 0 or the loss or gradient norm is not finite."""
     if not any(s.adv_t != 0 or any(a != 0 for *_, a in s.mem) for s in samples):
         return {"skipped": "all advantages are zero"}
     n_tokens = max(float(sum(s.n_policy for s in samples)), 1.0)
