@@ -327,7 +327,7 @@ def small_disk(tmp_path):
     sh = lambda *a: subprocess.run(a, check=True, capture_output=True)
     mount = lambda size: sh("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)) and disk
     yield mount, lambda size: sh("mount", "-o", f"remount,size={size}", str(disk))
-    subprocess.run(["umount", str(disk)], capture_output=True)
+    subprocess.run(["umount", "--lazy", str(disk)], capture_output=True)     # detached even if a file is open
 
 
 def test_a_disk_that_fills_at_the_second_checkpoint_stops_in_one_line_and_resumes_once_space_is_back(
