@@ -233,13 +233,19 @@ def save_final(run: str, model, tokenizer, system_prompt: str, state_dict: dict 
     """``RUN/final`` (``save_model``), written whole to ``final.tmp`` and then renamed: a folder named ``final``
     is always complete; a full disk is one line (``writing``). Rank 0 only; returns the path."""
     path = os.path.join(run, "final")
+    write_folder(path, lambda tmp: save_model(tmp, model, tokenizer, system_prompt, state_dict, probe_think), run)
+    return path
+
+
+def write_folder(path: str, write, run: str = "") -> None:
+    """A folder written whole: ``write(path.tmp)``, then renamed over ``path``, so a folder by that name is always
+    complete; a failed write (a full disk) removes the half-written ``.tmp`` and is one line (``writing``)."""
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with writing(path, run, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
-        save_model(tmp, model, tokenizer, system_prompt, state_dict, probe_think)
+        write(tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-    return path
 
 
 def run_config(checkpoint: str) -> dict:
@@ -474,15 +480,12 @@ def close_reporters() -> None:
 def save_folder(path: str, model, tokenizer=None) -> None:
     """``model.save_pretrained(path)`` (and the tokenizer's) atomically (``path.tmp``, then renamed; a full disk is
     one line) by rank 0; every rank waits for it."""
+    def write(tmp: str) -> None:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
     if dist.DIST.rank == 0:         # torchrun: one writer, the others wait for it (all_sum is the barrier)
-        tmp = path + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        with writing(path, os.path.dirname(path), cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
-            model.save_pretrained(tmp)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
+        write_folder(path, write, os.path.dirname(path))
     dist.all_sum([0.0])
 
 
