@@ -331,7 +331,8 @@ def test_each_mode_prints_its_report_then_one_json_line(sft_run, capsys):
 def test_variety_counts_questions_whose_rollouts_keep_and_drop_and_ranks_their_rounds_by_hand():
     """results/variety.py on expert replays: question 0's four rollouts are two keeping and two forgetting
     experts (it varies), question 1's four all keep (it does not). With a memory reward of +1 on each keeping
-    round and -1 on each dropping one, keep - drop is 2 in reward and 2 / std in A_M (the pool's unbiased std)."""
+    round and -1 on each dropping one, keep - drop is 2 in reward and 2 / std in A_M (the pool's unbiased std).
+    Outcome scores 1, 0.5 for question 0's keeping rollouts and 0, 0.5 for its dropping ones: keep - drop 0.5."""
     import statistics
     import sys
     sys.path.insert(0, "results")
@@ -345,7 +346,8 @@ def test_variety_counts_questions_whose_rollouts_keep_and_drop_and_ranks_their_r
     scored = [(i, t) for i, tr in enumerate(trajs) for t in range(1, len(tr.rounds))]
     reward = [(2.0 * flags[key] - 1.0) if key in flags else 0.0 for key in scored]
     mem = {"scored": scored, "reward": reward, "p_mem": [(r + 1) / 2 for r in reward], "p_full": [0.5] * len(reward)}
-    out = variety(trajs, tasks, mem)
+    out = variety(trajs, tasks, mem, [1.0, 0.5, 0.0, 0.5, 1.0, 1.0, 0.0, 0.0])
+    assert out["keep_minus_drop_outcome"] == 0.5        # question 1 does not vary: its scores do not count
     assert out["measured"] == 2 and out["varies"] == 0.5 and out["varies_rounds"] == 0.5
     assert out["keep_minus_drop_reward"] == 2.0 and out["keep_minus_drop_p_mem"] == 1.0
     pool = [r for (i, _), r in zip(scored, reward) if i < 4]

@@ -13,7 +13,8 @@ Prints markdown: each arm's F1 / EM / early / retention 3+ per K (mean +- 95% t 
 then the stated comparison, MemPO - GRPO paired by SFT seed, on (a) snail retention 3+ over K = 2-4 (the mean of the
 three K's, each pooled over its rounds by eval.py) and (b) snail F1 over K = 2-4, with EM and early beside and the
 same in the full context, each seed's value in brackets; then the training curves of both arms (retention 3+ and
-`varies` of the sampled full-context rollouts, P_mem - P_full, A_M keep - drop, the early share, KL to the start).
+`varies` of the sampled full-context rollouts, P_mem - P_full, A_M keep - drop, the outcome's keep - drop, the early
+share, KL to the start).
 
     python results/forget_full.py --runs R --seeds 0 1 2 3 4
 """
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
         print(f"| {context} | " + " | ".join(paired(a.runs, a.seeds, context, m)
                                             for m in ("retention_3plus", "f1", "em", "early")) + " |")
     print("\n### Training curves: sampled full-context rollouts on fixed questions (mean over the seeds present)\n")
-    keys = ("retention_3plus", "varies", "p_mem", "p_full", "keep_minus_drop_adv", "early")
+    keys = ("retention_3plus", "varies", "p_mem", "p_full", "keep_minus_drop_adv", "keep_minus_drop_outcome", "early")
     print("| arm | step | seeds | " + " | ".join(keys) + " | kl |")
     print("|---" * (len(keys) + 4) + "|")
     for arm in ("grpo", "mempo"):
@@ -99,7 +100,7 @@ def main(argv=None) -> None:
             points = [q for q in (curve_point(a.runs, arm, s, step) for s in a.seeds) if q]
             if not points:
                 continue
-            cells = [fmt([q[k] for q in points]) for k in keys]
+            cells = [fmt([q.get(k, float("nan")) for q in points]) for k in keys]
             kl = fmt([kl_at(a.runs, arm, s, step) for s in a.seeds]) if step else "-"
             print(f"| {arm} | {step} | {len(points)} | " + " | ".join(cells) + f" | {kl} |")
 

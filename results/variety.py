@@ -17,6 +17,10 @@ start, steps 0-3 here are RL steps 0-3's own rollouts). Then:
   RL step computes it) and A_M (``grpo.memory_advantage``, the paper's pool over the question's rounds); within
   each question whose pool holds both, the mean over its keeping rounds minus the mean over its dropping rounds
   (``keep_minus_drop_*``, averaged over those questions), and the spread (std) of P_mem over its rounds.
+* **what the outcome says of it**: within each question that varies, the mean outcome score
+  (``reward.outcome_reward``, what GRPO's A_T ranks) of its keeping rollouts minus its dropping ones
+  (``keep_minus_drop_outcome``). Near 0, the outcome is blind to what `<mem>` drops and only A_M can teach keeping;
+  well above 0, GRPO teaches it too.
 
     python results/variety.py --checkpoint R/sft_s0/sft --seed 0 --steps 0 1 2 3     # the precondition at step 0
     python results/variety.py --checkpoint R/mempo_s0/step_0020 --seed 0 --steps 1000 1001 1002 1003   # a curve
@@ -43,7 +47,7 @@ import eval as evaluation  # noqa: E402
 import train  # noqa: E402
 from grpo import memory_advantage  # noqa: E402
 from models import pick_device  # noqa: E402
-from reward import memory_rewards  # noqa: E402
+from reward import memory_rewards, outcome_reward  # noqa: E402
 
 
 def round_flags(traj, task, min_ago: int = 1) -> dict[int, int]:
@@ -63,9 +67,9 @@ def keep_minus_drop(values: dict, flags: dict) -> float | None:
     return statistics.fmean(keep) - statistics.fmean(drop) if keep and drop else None
 
 
-def variety(trajs: list, tasks: list, mem: dict) -> dict:
-    """The figures above for one batch of rollouts (``trajs`` with ``group_id`` into ``tasks``) and its memory
-    rewards ``mem`` (``reward.memory_rewards``)."""
+def variety(trajs: list, tasks: list, mem: dict, scores: list[float]) -> dict:
+    """The figures above for one batch of rollouts (``trajs`` with ``group_id`` into ``tasks``), its memory
+    rewards ``mem`` (``reward.memory_rewards``) and each rollout's outcome score ``scores``."""
     scored = mem["scored"]
     question = torch.tensor([trajs[i].group_id for i, _ in scored])
     adv = memory_advantage(torch.tensor(mem["reward"], dtype=torch.float64), question).tolist()
@@ -74,6 +78,7 @@ def variety(trajs: list, tasks: list, mem: dict) -> dict:
     out: dict = {"questions": len(tasks), "rollouts": len(trajs)}
     for name, min_ago in (("", 1), ("_3plus", 3)):
         measured, varies, pooled, gaps, spread = 0, 0, 0, {"p_mem": [], "reward": [], "adv": []}, []
+        outcome_gaps = []
         for q in range(len(tasks)):
             rollouts = [i for i, tr in enumerate(trajs) if tr.group_id == q]
             flags = {(i, t): f for i in rollouts for t, f in round_flags(trajs[i], tasks[q], min_ago).items()}
@@ -81,7 +86,9 @@ def variety(trajs: list, tasks: list, mem: dict) -> dict:
             if not per_rollout:
                 continue
             measured += 1
-            varies += 0 in per_rollout.values() and 1 in per_rollout.values()
+            if 0 in per_rollout.values() and 1 in per_rollout.values():
+                varies += 1
+                outcome_gaps.append(keep_minus_drop({i: scores[i] for i in per_rollout}, per_rollout))
             if 0 in flags.values() and 1 in flags.values():         # the pool holds a keeping and a dropping round
                 pooled += 1
                 for key in gaps:
@@ -96,6 +103,7 @@ def variety(trajs: list, tasks: list, mem: dict) -> dict:
         for key, xs in gaps.items():
             out[f"keep_minus_drop_{key}{name}"] = statistics.fmean(xs) if xs else float("nan")
         out[f"p_mem_std{name}"] = statistics.fmean(spread) if spread else float("nan")
+        out[f"keep_minus_drop_outcome{name}"] = statistics.fmean(outcome_gaps) if outcome_gaps else float("nan")
     rounds = [f for tr in trajs for f in round_flags(tr, tasks[tr.group_id]).values()]
     out["drop_rounds"] = rounds.count(0) / len(rounds) if rounds else float("nan")
     early = [e for e in map(data.early_answer, trajs) if e is not None]
@@ -134,12 +142,13 @@ def main(argv=None) -> None:
     with torch.no_grad():
         mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
                              think=cfg.probe_think)
+    scores = [outcome_reward(t)["score"] for t in trajs]
     out = {"checkpoint": a.checkpoint, "seed": a.seed, "steps": a.steps, "context": a.context,
-           "temperature": a.temperature} | variety(trajs, tasks, mem) | {"sec": round(time.time() - t0, 1)}
+           "temperature": a.temperature} | variety(trajs, tasks, mem, scores) | {"sec": round(time.time() - t0, 1)}
     for key in ("questions", "rollouts", "measured", "varies", "varies_3plus", "varies_rounds",
                 "varies_rounds_3plus", "drop_rounds", "early", "p_mem", "p_full", "p_mem_std",
                 "keep_minus_drop_p_mem", "keep_minus_drop_reward", "keep_minus_drop_adv", "keep_minus_drop_adv_3plus",
-                "retention_3plus"):
+                "keep_minus_drop_outcome", "keep_minus_drop_outcome_3plus", "retention_3plus"):
         v = out[key]
         print(f"{key:28s} {v:.3f}" if isinstance(v, float) else f"{key:28s} {v}")
     print("retention by rounds ago      " + "  ".join(f"{k}: {v:.3f}" for k, v in out["retention_by_ago"].items()))
