@@ -157,6 +157,12 @@ class Config:
     # the paper trains RL in the full context and evaluates in the snail shell: its cold start must play both
     sft_full_share: float = flag(0.0, "share of the expert's SFT episodes rendered in the full context, the rest in "
                                       "the snail shell (--train-context full: all of them)", min=0, max=1)
+    # the forgetting expert answers from its <mem> by default, in the full context too, so that context's outcome
+    # pays for what <mem> keeps; "context" makes it answer what the full context shows, blind to what <mem> drops
+    sft_full_answers: str = flag("mem", "what the forgetting expert answers in a full-context episode: mem (what its "
+                                        "<mem> holds, as in the snail shell) | context (every answer the context "
+                                        "shows, so a full-context outcome does not see what <mem> drops)",
+                                 choices=("mem", "context"))
     sft_objectives: str = flag("1-2", "objective counts K of SFT questions, e.g. 1-10", int_range=True)
     hops: str = flag("1-3", "hops per objective, e.g. 1-3", int_range=True)
     tokenizer: str = flag("word", "embedded world tokenizer: word | bpe (byte-level BPE, tags and names several "

@@ -94,6 +94,17 @@ def expert_turns(task: data.Task, tool: SearchTool,
             for text, q in data.expert_episode(task, forget)]
 
 
+def answer_from_context(task: data.Task, turns: list) -> list:
+    """``turns`` with the answer round answering what the full context shows (``data.context_answers``: every
+    answer whose last hop was searched) instead of what the round's ``<mem>`` holds. The same for an expert that
+    keeps; a forgetting one answers the entries it dropped from the earlier rounds' results, as an agent that
+    reads its whole history would."""
+    episode = [(text, q) for text, q, _ in turns]
+    text, q, result = turns[-1]
+    answer = data.context_answers(task, episode, len(turns) - 1, "full")
+    return turns[:-1] + [(text.split("<answer>")[0] + f"<answer> {answer} </answer>", q, result)]
+
+
 def expert_samples(tokenizer, task: data.Task, tool: SearchTool, forget: bool, mem_prefix: bool = True,
                    system_prompt: str = data.SYSTEM_PROMPT, picked_rounds: set[int] | None = None,
                    turns: list | None = None, context: str = "snail") -> list[Sample]:
@@ -254,6 +265,8 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
             task, forget, turns = episode.task, episode.forget, episode.turns
             picked = set(rng.sample(range(len(turns)), min(len(turns), 4)))
             context = episode_context(cfg, rng)
+        if forget and context == "full" and cfg.sft_full_answers == "context":
+            turns = answer_from_context(task, turns)
         out += expert_samples(tokenizer, task, tool, forget, system_prompt=system_prompt, picked_rounds=picked,
                               turns=turns, context=context)
         if cfg.sft_probe > 0:                                            # on top of the batch: the policy's rows stay

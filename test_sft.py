@@ -97,6 +97,35 @@ def test_sft_full_share_renders_that_share_of_episodes_in_the_full_context():
     assert max(r.ids[:r.n_prompt].count(info) for r in snail) == 1
 
 
+def test_sft_full_answers_context_makes_the_forgetting_expert_answer_what_the_full_context_shows():
+    """K = 2, every episode forgets (objective 1's entry is dropped once objective 2 finishes). By default its answer
+    round says ``unknown`` for objective 1 in both contexts; with ``--sft-full-answers context`` the full-context
+    answer is both golds while its ``<mem>`` still drops the entry, and snail rows are unchanged."""
+    tok = data.build_tokenizer()
+    world = data.make_world(3)
+    task = data.make_task(world, random.Random(1), 2, (1, 2))
+    turns = sft.expert_turns(task, SearchTool(world.docs), forget=True)
+    assert turns[-1][0].endswith(f"<answer> {data.UNKNOWN} ; {task.golds[1][0]} </answer>")
+    fixed = sft.answer_from_context(task, turns)
+    golds = f"{task.golds[0][0]} ; {task.golds[1][0]}"
+    assert fixed[-1][0] == turns[-1][0].split("<answer>")[0] + f"<answer> {golds} </answer>"
+    assert fixed[:-1] == turns[:-1] and extract_mem(fixed[-1][0]) == extract_mem(turns[-1][0])
+
+    answer = tok.convert_tokens_to_ids("<answer>")
+    unknown = tok.convert_tokens_to_ids(data.UNKNOWN)
+    args = ["--sft-objectives", "2", "--sft-batch", "64", "--sft-probe", "0", "--forget-p", "1"]
+
+    def answers(extra):     # the answer rows' targets of one batch
+        rows = sft.sft_batch(tok, train.parse_args(args + extra), 2000)
+        return [r.ids[r.n_prompt:] for r in rows if answer in r.ids[r.n_prompt:]]
+    by_mem = answers(["--sft-full-share", "1"])
+    by_context = answers(["--sft-full-share", "1", "--sft-full-answers", "context"])
+    assert len(by_mem) == len(by_context) >= 8
+    assert all(unknown in a for a in by_mem) and not any(unknown in a for a in by_context)
+    assert answers(["--sft-full-answers", "context"]) == answers([])            # snail rows: as before
+    assert answers(["--sft-full-share", "1", "--sft-full-answers", "mem"]) == by_mem
+
+
 def test_first_open_pair_is_the_experts_next_search():
     """On every search round of the expert's episodes (K 1-6, 1-3 hops), the pair before the first open slot of
     that round's <mem> is the pair it searches."""
