@@ -4,7 +4,7 @@ forgetful cold start (``--forget-p 0.5 --sft-full-share 0.5``), full-context RL,
 Reads, under ``--runs R`` (the layout the study's commands write):
 
 * ``R/eval/{arm}_s{S}_{context}.txt``: ``eval.py``'s output (its JSON line last), arm sft | grpo | mempo, context
-  snail | full;
+  snail | full | snailT1 (the snail evaluation at ``--temperature 1.0 --objectives 2 3 4``);
 * ``R/var/{arm}_s{S}_{NNNN}.json`` and ``R/var/sft_s{S}_curve.json``: ``results/variety.py`` on the kept models of
   steps 20-120 and on the start (step 0), all on the questions of steps 10000-10003;
 * ``R/{arm}_s{S}/metrics.jsonl``: the RL runs' own rows (``kl`` with ``--log-kl``).
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     print("\n### MemPO - GRPO, paired by SFT seed, over K = 2-4 (seeds " + " / ".join(map(str, a.seeds)) + ")\n")
     print("| context | (a) retention 3+ | (b) F1 | EM | early |")
     print("|---|---|---|---|---|")
-    for context in ("snail", "full"):
+    for context in ("snail", "snailT1", "full"):     # snailT1: the snail evaluation sampled at T 1.0 (K = 2-4)
         print(f"| {context} | " + " | ".join(paired(a.runs, a.seeds, context, m)
                                             for m in ("retention_3plus", "f1", "em", "early")) + " |")
     print("\n### Training curves: sampled full-context rollouts on fixed questions (mean over the seeds present)\n")
