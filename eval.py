@@ -76,9 +76,10 @@ def summarize(trajs: list) -> dict:
 
 
 def retention_events(traj, task):
-    """(round t, objective k, held, rounds ago) for every round t >= 1 of ``traj`` and every objective with a
-    needed entity: the newest object of its gold chain that an earlier search retrieved (its answer once the
-    chain is complete); ``held`` = does ``<mem>`` hold it in objective k's entry, found how many rounds ago."""
+    """(round t, objective k, held, rounds ago, hop) for every round t >= 1 of ``traj`` and every objective with
+    a needed entity: the newest object of its gold chain that an earlier search retrieved (its answer once the
+    chain is complete; ``hop`` = its index in the chain); ``held`` = does ``<mem>`` hold it in objective k's
+    entry, found how many rounds ago."""
     tools = [r.text for r in traj.records if r.type in ("search_results", "webpage")]
     found: dict[tuple[int, int], int] = {}           # (objective, hop) -> round that retrieved it
     for t, rnd in enumerate(traj.rounds):
@@ -88,7 +89,7 @@ def retention_events(traj, task):
                 hops = [h for h in range(len(obj.chain)) if (k, h) in found]
                 if hops:
                     h = max(hops)
-                    yield t, k, int(obj.chain[h][2] in entries.get(k, [])), t - found[(k, h)]
+                    yield t, k, int(obj.chain[h][2] in entries.get(k, [])), t - found[(k, h)], h
         if t < len(tools) and rnd.action == "search":
             query = parse_action(rnd.text)[1].split()
             for k, obj in enumerate(task.objectives):
@@ -108,7 +109,7 @@ def memory_retention(trajs: list, tasks: list) -> dict:
     kept = {b: [0, 0] for b in AGO_BUCKETS}
     drift = {"rounds 1-7": [0, 0], "rounds 8-63": [0, 0]}
     for traj in trajs:
-        for t, _, hit, ago in retention_events(traj, tasks[traj.group_id]):
+        for t, _, hit, ago, _ in retention_events(traj, tasks[traj.group_id]):
             for b in AGO_BUCKETS:
                 if b[0] <= ago <= b[1]:
                     kept[b][0] += hit

@@ -353,3 +353,86 @@ def test_variety_counts_questions_whose_rollouts_keep_and_drop_and_ranks_their_r
     pool = [r for (i, _), r in zip(scored, reward) if i < 4]
     assert abs(out["keep_minus_drop_adv"] - 2.0 / (statistics.stdev(pool) + 1e-6)) < 1e-9
     assert out["retention_by_ago"]["1-1"] == 1.0 and out["drop_rounds"] > 0
+
+
+class AnswersFrom(torch.nn.Module):
+    """A real tiny model that writes `` <think> answer </think> <answer> {reads(context)} </answer>`` after any
+    prompt: its prefill reads the prompt's text, every decode step writes the next token of the answer. One
+    prompt a call (the engine drops a finished row from its batch, so a batch's rows could not be told apart)."""
+
+    def __init__(self, inner, tok, reads):
+        super().__init__()
+        self.inner, self.config, self.tok, self.reads, self.tape, self.n = inner, inner.config, tok, reads, [], 0
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def forward(self, input_ids, **kw):
+        from transformers import StaticCache
+        out = self.inner(input_ids=input_ids, **kw)
+        if isinstance(kw.get("past_key_values"), StaticCache):
+            if input_ids.shape[1] > 1:                      # the prefill: a new prompt
+                row, = input_ids.tolist()
+                self.tape = self.tok.encode(f" <think> answer </think> <answer> {self.reads(self.tok.decode(row))}"
+                                            " </answer>", add_special_tokens=False)
+                self.n = 0
+            out.logits[0, -1, self.tape[self.n]] += 1e4
+            self.n += 1
+        return out
+
+
+def test_restore_puts_back_what_the_forgetting_expert_dropped_and_separates_a_mem_reader_from_a_context_reader():
+    """results/variety.py's intervention on expert replays of 3-objective questions. The forgetting expert drops
+    objective 1's entry once objective 2 finishes, and objective 2's once objective 3 does: restored, every round is
+    the keeping expert's own; as written, the forgetting one's. Answered again by a model that answers from the
+    `<mem>` it was just forced to write, the restored arm scores 1 and the written one 1/3 (effect 2/3); by one that
+    answers from the search results in its full context, both score 1 (effect 0)."""
+    import sys
+    sys.path.insert(0, "results")
+    from variety import reanswer, restore, restore_effect
+    world, tasks = data.make_tasks(33, 4, [3], (1, 2))
+    tool = SearchTool(world.docs)
+    forgets = [replay(t, tool, q, forget=True) for q, t in enumerate(tasks)]
+    keeps = [replay(t, tool, q) for q, t in enumerate(tasks)]
+    assert all(restore(tr, t) is None for tr, t in zip(keeps, tasks))
+    cases = [restore(tr, t) for tr, t in zip(forgets, tasks)]
+    for (written, restored), forget, keep in zip(cases, forgets, keeps):
+        assert [r.text for r in written[0]] == [r.text for r in forget.records[:-1]]
+        assert [r.text for r in restored[0]] == [r.text for r in keep.records[:-1]]
+        assert f"<mem> {written[1]} </mem>" in forget.rounds[-1].text
+        assert f"<mem> {restored[1]} </mem>" in keep.rounds[-1].text and restored[1] != written[1]
+
+    def from_mem(text):
+        q = next(q for q, t in enumerate(tasks) if t.question in text)
+        return data.answers_from_mem(tasks[q], text.rsplit("<mem>", 1)[1].split("</mem>")[0])
+
+    def from_context(text):
+        q = next(q for q, t in enumerate(tasks) if t.question in text)
+        return " ; ".join(o.answer if " ".join(o.chain[-1]) in text.split(t.question, 1)[1] else data.UNKNOWN
+                          for t in [tasks[q]] for o in t.objectives)
+
+    tok = data.build_tokenizer()
+    inner = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, ffn=64, seed=0).eval()
+    effects = {}
+    for name, reads in (("mem", from_mem), ("context", from_context)):
+        model = AnswersFrom(inner, tok, reads)
+        scored = [reanswer(model, tok, [(arms[arm][0], arms[arm][1], t.golds) for arms, t in zip(cases, tasks)],
+                           data.SYSTEM_PROMPT, 2, 1.0, 96, torch.Generator().manual_seed(0), batch=1)
+                  for arm in (0, 1)]
+        effects[name] = restore_effect([(q, c, r) for q, (c, r) in enumerate(zip(*scored))])
+    assert effects["mem"]["restore_control"] == pytest.approx(1 / 3) and effects["mem"]["restore_restored"] == 1.0
+    assert effects["mem"]["restore_effect"] == pytest.approx(2 / 3) and effects["mem"]["restore_questions"] == 4
+    assert effects["context"]["restore_control"] == 1.0 and effects["context"]["restore_effect"] == 0.0
+
+
+def test_restore_effect_averages_each_question_then_the_questions():
+    """Question 0: effects 1 and 0 (mean 0.5); question 1: 0. Over questions 0.25 (not 1/3 over rollouts), its
+    95% interval t(1) (eval.T95, 12.71) times the std 0.354 over sqrt 2."""
+    import sys
+    sys.path.insert(0, "results")
+    from variety import restore_effect
+    out = restore_effect([(0, [0.0, 0.0], [1.0, 1.0]), (0, [0.5, 0.5], [0.5, 0.5]), (1, [0.0, 0.0], [0.0, 0.0])])
+    assert out["restore_effect"] == 0.25 and out["restore_rollouts"] == 3 and out["restore_questions"] == 2
+    assert out["restore_effect_ci"] == pytest.approx(12.71 * 0.5 ** 0.5 * 0.5 / 2 ** 0.5)
+    assert out["restore_control"] == pytest.approx(1 / 6) and out["restore_restored"] == pytest.approx(0.5)

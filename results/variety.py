@@ -21,9 +21,18 @@ start, steps 0-3 here are RL steps 0-3's own rollouts). Then:
   (``reward.outcome_reward``, what GRPO's A_T ranks) of its keeping rollouts minus its dropping ones
   (``keep_minus_drop_outcome``). Near 0, the outcome is blind to what `<mem>` drops and only A_M can teach keeping;
   well above 0, GRPO teaches it too.
+* **whether `<mem>` causes it** (``--restore N``): that gap is a correlation, and a rollout that drops may be worse
+  in other ways. For every rollout that answered while its `<mem>` missed a needed entity, its answer round is
+  sampled N times again from its own context twice (``restore``): as written, and with each missing entity put
+  back (the objective's entry filled through the hop the search found) in every `<mem>` that missed it, the answer
+  round's included. ``restore_effect``: the mean outcome score restored minus as written, per question, averaged
+  over questions (95% interval over questions). Near ``keep_minus_drop_outcome``: the policy answers from its
+  `<mem>` even where the context shows the answer; near 0: the outcome is blind to `<mem>`, and the gap comes
+  from elsewhere.
 
     python results/variety.py --checkpoint R/sft_s0/sft --seed 0 --steps 0 1 2 3     # the precondition at step 0
     python results/variety.py --checkpoint R/mempo_s0/step_0020 --seed 0 --steps 1000 1001 1002 1003   # a curve
+    python results/variety.py --checkpoint R/sft_s0/sft --seed 0 --temperature 1.0 --restore 4   # the intervention
 
 Prints a table and one JSON line (``variety {...}``) that ``--json FILE`` also writes.
 """
@@ -35,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -45,16 +55,19 @@ import checkpoint  # noqa: E402
 import data  # noqa: E402
 import eval as evaluation  # noqa: E402
 import train  # noqa: E402
+from engine import generate, stop_strings  # noqa: E402
 from grpo import memory_advantage  # noqa: E402
-from models import pick_device  # noqa: E402
+from memory import MEM_RE, Record, prepare_prompt  # noqa: E402
+from models import encode_chat, pick_device  # noqa: E402
 from reward import memory_rewards, outcome_reward  # noqa: E402
+from rollout import STOP_STRINGS, cut_at_stop, parse_action  # noqa: E402
 
 
 def round_flags(traj, task, min_ago: int = 1) -> dict[int, int]:
     """Round t -> 1 if its `<mem>` holds every needed entity found ``min_ago`` or more rounds earlier, 0 if it
     misses one; rounds with no such entity are left out."""
     flags: dict[int, int] = {}
-    for t, _, held, ago in evaluation.retention_events(traj, task):
+    for t, _, held, ago, _ in evaluation.retention_events(traj, task):
         if ago >= min_ago:
             flags[t] = min(flags.get(t, 1), held)
     return flags
@@ -116,6 +129,89 @@ def variety(trajs: list, tasks: list, mem: dict, scores: list[float]) -> dict:
     return out
 
 
+def filled_path(obj, hop: int) -> list[str]:
+    """An objective's ``<mem>`` entry as the expert writes it once its chain is found through ``hop``."""
+    path = data.open_path([obj.start] + obj.relations)
+    for h in range(hop + 1):
+        path[2 * h + 2] = obj.chain[h][2]
+    return path
+
+
+def restore(traj, task) -> tuple[tuple[list, str], tuple[list, str]] | None:
+    """A rollout whose answer round's `<mem>` misses a needed entity -> its answer round's context (the records
+    before it) and `<mem>` body, as written and restored; None for any other rollout.
+
+    Every round whose `<mem>` misses one is rewritten in both: its `<mem>` parsed and written back
+    (``data.format_mem``), and in the restored one each missing objective's entry filled through the needed hop
+    (``filled_path``). So the two differ in the missing entities alone."""
+    if len(traj.rounds) < 2 or traj.rounds[-1].action != "answer":
+        return None
+    missing: dict[int, dict[int, int]] = {}                 # round -> objective -> hop it misses
+    for t, k, held, _, hop in evaluation.retention_events(traj, task):
+        if not held:
+            missing.setdefault(t, {})[k] = hop
+    last = len(traj.rounds) - 1
+    if last not in missing:
+        return None
+    gens = [i for i, r in enumerate(traj.records) if r.type == "llm_gen"]
+    arms = []
+    for restored in (False, True):
+        records = list(traj.records[:gens[last]])
+        for t, objectives in missing.items():
+            text = traj.rounds[t].text
+            m = MEM_RE.match(text)
+            entries = data.parse_mem(m.group(1) if m else "")
+            if restored:
+                entries |= {k: filled_path(task.objectives[k], hop) for k, hop in objectives.items()}
+            body = data.format_mem(entries)
+            if t < last:
+                records[gens[t]] = Record("llm_gen", f"<mem> {body} </mem>" + text[m.end() if m else 0:])
+            else:
+                last_body = body
+        arms.append((records, last_body))
+    return arms[0], arms[1]
+
+
+def reanswer(model, tokenizer, cases: list, system_prompt: str, n: int, temperature: float, max_new_tokens: int,
+             generator: torch.Generator, batch: int = 32) -> list[list[float]]:
+    """Each case ``(records, mem body, golds)`` answered ``n`` times: the answer round sampled after the forced
+    ``<mem> body </mem>`` in the full context of ``records`` -> the outcome score of each (0 when it does not
+    answer)."""
+    prompts, rounds = [], []
+    for records, body, _ in cases:
+        ids = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None))
+        forced = tokenizer.encode(f"<mem> {body} </mem>", add_special_tokens=False)
+        prompts += [(ids, forced)] * n
+        rounds += [[r.text for r in records if r.type == "llm_gen"]] * n
+    texts = []
+    for i in range(0, len(prompts), batch):
+        part = prompts[i:i + batch]
+        outs = generate(model, [c + f for c, f in part], max_new_tokens, pad_id=tokenizer.pad_token_id,
+                        eos_id=tokenizer.eos_token_id, stops=stop_strings(tokenizer, STOP_STRINGS),
+                        temperature=temperature, generator=generator)
+        texts += [cut_at_stop(tokenizer.decode(f + o)) for (_, f), o in zip(part, outs)]
+    scores = []
+    for j, (text, earlier) in enumerate(zip(texts, rounds)):
+        kind, body = parse_action(text)
+        traj = SimpleNamespace(rounds=[SimpleNamespace(text=x) for x in earlier + [text]],
+                               answer=body if kind == "answer" else None, golds=cases[j // n][2])
+        scores.append(outcome_reward(traj)["score"])
+    return [scores[j:j + n] for j in range(0, len(scores), n)]
+
+
+def restore_effect(pairs: list[tuple[int, list[float], list[float]]]) -> dict:
+    """``(question, scores as written, scores restored)`` per rollout -> the figures of ``--restore``."""
+    by_question: dict[int, list[float]] = {}
+    for q, control, restored in pairs:
+        by_question.setdefault(q, []).append(statistics.fmean(restored) - statistics.fmean(control))
+    effects = [statistics.fmean(v) for v in by_question.values()]
+    mean, ci = evaluation.mean_ci(effects) if effects else (float("nan"), float("nan"))
+    return {"restore_rollouts": len(pairs), "restore_questions": len(effects),
+            "restore_control": statistics.fmean(statistics.fmean(c) for _, c, _ in pairs) if pairs else float("nan"),
+            "restore_restored": statistics.fmean(statistics.fmean(r) for _, _, r in pairs) if pairs else float("nan"),
+            "restore_effect": mean, "restore_effect_ci": ci}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a model folder (RUN/sft/, RUN/step_0020, RUN/final)")
@@ -125,6 +221,7 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--questions", type=int, default=16, help="questions a step")
     p.add_argument("--group", type=int, default=8, help="rollouts a question")
+    p.add_argument("--restore", type=int, default=0, help="answer rounds re-sampled per arm (0: no intervention)")
     p.add_argument("--json", default="", help="also write the JSON line here")
     a = p.parse_args(argv)
     device = pick_device("auto")
@@ -136,7 +233,9 @@ def main(argv=None) -> None:
     trajs, tasks, t0 = [], [], time.time()
     for step in a.steps:
         step_tasks, tool = train.rl_tasks(cfg, step)
-        batch = train.sample_rollouts(model, tokenizer, step_tasks, len(tasks), cfg, step, tool, agent)
+        batch = train.sample_rollouts(model, tokenizer, step_tasks, 0, cfg, step, tool, agent)   # q0 as one process
+        for tr in batch:
+            tr.group_id += len(tasks)
         trajs += batch
         tasks += step_tasks
     with torch.no_grad():
@@ -144,11 +243,23 @@ def main(argv=None) -> None:
                              think=cfg.probe_think)
     scores = [outcome_reward(t)["score"] for t in trajs]
     out = {"checkpoint": a.checkpoint, "seed": a.seed, "steps": a.steps, "context": a.context,
-           "temperature": a.temperature} | variety(trajs, tasks, mem, scores) | {"sec": round(time.time() - t0, 1)}
+           "temperature": a.temperature} | variety(trajs, tasks, mem, scores)
+    keys = []
+    if a.restore:
+        found = [(tr.group_id, restore(tr, tasks[tr.group_id])) for tr in trajs]
+        found = [(q, arms) for q, arms in found if arms is not None]
+        gen = torch.Generator(device=model.device).manual_seed(a.seed)
+        control, restored = ([] if not found else reanswer(
+            model, tokenizer, [(arms[arm][0], arms[arm][1], tasks[q].golds) for q, arms in found], prompt, a.restore,
+            a.temperature, cfg.max_new_tokens, gen) for arm in (0, 1))
+        out |= restore_effect([(q, c, r) for (q, _), c, r in zip(found, control, restored)])
+        keys = ["restore_rollouts", "restore_questions", "restore_control", "restore_restored", "restore_effect",
+                "restore_effect_ci"]
+    out["sec"] = round(time.time() - t0, 1)
     for key in ("questions", "rollouts", "measured", "varies", "varies_3plus", "varies_rounds",
                 "varies_rounds_3plus", "drop_rounds", "early", "p_mem", "p_full", "p_mem_std",
                 "keep_minus_drop_p_mem", "keep_minus_drop_reward", "keep_minus_drop_adv", "keep_minus_drop_adv_3plus",
-                "keep_minus_drop_outcome", "keep_minus_drop_outcome_3plus", "retention_3plus"):
+                "keep_minus_drop_outcome", "keep_minus_drop_outcome_3plus", "retention_3plus", *keys):
         v = out[key]
         print(f"{key:28s} {v:.3f}" if isinstance(v, float) else f"{key:28s} {v}")
     print("retention by rounds ago      " + "  ".join(f"{k}: {v:.3f}" for k, v in out["retention_by_ago"].items()))
