@@ -22,13 +22,15 @@ start, steps 0-3 here are RL steps 0-3's own rollouts). Then:
   (``keep_minus_drop_outcome``). Near 0, the outcome is blind to what `<mem>` drops and only A_M can teach keeping;
   well above 0, GRPO teaches it too.
 * **whether `<mem>` causes it** (``--restore N``): that gap is a correlation, and a rollout that drops may be worse
-  in other ways. For every rollout that answered while its `<mem>` missed a needed entity, its answer round is
-  sampled N times again from its own context twice (``restore``): as written, and with each missing entity put
-  back (the objective's entry filled through the hop the search found) in every `<mem>` that missed it, the answer
-  round's included. ``restore_effect``: the mean outcome score restored minus as written, per question, averaged
-  over questions (95% interval over questions). Near ``keep_minus_drop_outcome``: the policy answers from its
-  `<mem>` even where the context shows the answer; near 0: the outcome is blind to `<mem>`, and the gap comes
-  from elsewhere.
+  in other ways. Two interventions, each played N times from the same point twice, as written and with each missing
+  entity put back (the objective's entry filled through the hop the search found), in the full context:
+  ``restore``: every rollout that answered while its `<mem>` missed a needed entity answers again, that entity put
+  back in every `<mem>` that missed it, the answer round's included (does the answer read `<mem>`?);
+  ``play_on``: every rollout that dropped one plays on from its first dropping round, that round's `<mem>` put
+  back (what the drop costs the outcome by every path: the answer, and the searches after it).
+  ``*_effect``: the mean outcome score restored minus as written, per question, averaged over questions (95%
+  interval over questions). Near ``keep_minus_drop_outcome``: the outcome pays for what `<mem>` keeps, and GRPO
+  teaches keeping; near 0: the outcome is blind to `<mem>`, and the gap comes from what co-varies with dropping.
 
     python results/variety.py --checkpoint R/sft_s0/sft --seed 0 --steps 0 1 2 3     # the precondition at step 0
     python results/variety.py --checkpoint R/mempo_s0/step_0020 --seed 0 --steps 1000 1001 1002 1003   # a curve
@@ -57,7 +59,7 @@ import eval as evaluation  # noqa: E402
 import train  # noqa: E402
 from engine import generate, stop_strings  # noqa: E402
 from grpo import memory_advantage  # noqa: E402
-from memory import MEM_RE, Record, prepare_prompt  # noqa: E402
+from memory import MEM_RE, Record, prepare_prompt, tool_record  # noqa: E402
 from models import encode_chat, pick_device  # noqa: E402
 from reward import memory_rewards, outcome_reward  # noqa: E402
 from rollout import STOP_STRINGS, cut_at_stop, parse_action  # noqa: E402
@@ -137,19 +139,16 @@ def filled_path(obj, hop: int) -> list[str]:
     return path
 
 
-def restore(traj, task) -> tuple[tuple[list, str], tuple[list, str]] | None:
-    """A rollout whose answer round's `<mem>` misses a needed entity -> its answer round's context (the records
-    before it) and `<mem>` body, as written and restored; None for any other rollout.
+def restore(traj, task) -> tuple[int, tuple[list, str], tuple[list, str]] | None:
+    """A rollout whose answer round's `<mem>` misses a needed entity -> that round, its context (the records
+    before it) and its `<mem>` body, as written and restored; None for any other rollout.
 
     Every round whose `<mem>` misses one is rewritten in both: its `<mem>` parsed and written back
     (``data.format_mem``), and in the restored one each missing objective's entry filled through the needed hop
     (``filled_path``). So the two differ in the missing entities alone."""
     if len(traj.rounds) < 2 or traj.rounds[-1].action != "answer":
         return None
-    missing: dict[int, dict[int, int]] = {}                 # round -> objective -> hop it misses
-    for t, k, held, _, hop in evaluation.retention_events(traj, task):
-        if not held:
-            missing.setdefault(t, {})[k] = hop
+    missing = missing_hops(traj, task)
     last = len(traj.rounds) - 1
     if last not in missing:
         return None
@@ -158,58 +157,90 @@ def restore(traj, task) -> tuple[tuple[list, str], tuple[list, str]] | None:
     for restored in (False, True):
         records = list(traj.records[:gens[last]])
         for t, objectives in missing.items():
-            text = traj.rounds[t].text
-            m = MEM_RE.match(text)
-            entries = data.parse_mem(m.group(1) if m else "")
-            if restored:
-                entries |= {k: filled_path(task.objectives[k], hop) for k, hop in objectives.items()}
-            body = data.format_mem(entries)
+            body, rest = mem_body(traj.rounds[t].text, task, objectives if restored else {})
             if t < last:
-                records[gens[t]] = Record("llm_gen", f"<mem> {body} </mem>" + text[m.end() if m else 0:])
+                records[gens[t]] = Record("llm_gen", f"<mem> {body} </mem>" + rest)
             else:
                 last_body = body
         arms.append((records, last_body))
-    return arms[0], arms[1]
+    return last, arms[0], arms[1]
 
 
-def reanswer(model, tokenizer, cases: list, system_prompt: str, n: int, temperature: float, max_new_tokens: int,
-             generator: torch.Generator, batch: int = 32) -> list[list[float]]:
-    """Each case ``(records, mem body, golds)`` answered ``n`` times: the answer round sampled after the forced
-    ``<mem> body </mem>`` in the full context of ``records`` -> the outcome score of each (0 when it does not
-    answer)."""
-    prompts, rounds = [], []
-    for records, body, _ in cases:
-        ids = encode_chat(tokenizer, prepare_prompt(records, system_prompt, None))
-        forced = tokenizer.encode(f"<mem> {body} </mem>", add_special_tokens=False)
-        prompts += [(ids, forced)] * n
-        rounds += [[r.text for r in records if r.type == "llm_gen"]] * n
-    texts = []
-    for i in range(0, len(prompts), batch):
-        part = prompts[i:i + batch]
-        outs = generate(model, [c + f for c, f in part], max_new_tokens, pad_id=tokenizer.pad_token_id,
-                        eos_id=tokenizer.eos_token_id, stops=stop_strings(tokenizer, STOP_STRINGS),
-                        temperature=temperature, generator=generator)
-        texts += [cut_at_stop(tokenizer.decode(f + o)) for (_, f), o in zip(part, outs)]
-    scores = []
-    for j, (text, earlier) in enumerate(zip(texts, rounds)):
-        kind, body = parse_action(text)
-        traj = SimpleNamespace(rounds=[SimpleNamespace(text=x) for x in earlier + [text]],
-                               answer=body if kind == "answer" else None, golds=cases[j // n][2])
-        scores.append(outcome_reward(traj)["score"])
+def first_drop(traj, task) -> tuple[int, tuple[list, str], tuple[list, str]] | None:
+    """A rollout whose `<mem>` misses a needed entity -> the first such round, its context (the records before it)
+    and its `<mem>` body, as written and restored (``restore``); None when no round misses one."""
+    missing = missing_hops(traj, task)
+    if not missing:
+        return None
+    t = min(missing)
+    records = traj.records[:[i for i, r in enumerate(traj.records) if r.type == "llm_gen"][t]]
+    return t, *((records, mem_body(traj.rounds[t].text, task, objectives)[0]) for objectives in ({}, missing[t]))
+
+
+def missing_hops(traj, task) -> dict[int, dict[int, int]]:
+    """Round -> objective -> the hop of the needed entity its `<mem>` misses (``eval.retention_events``)."""
+    missing: dict[int, dict[int, int]] = {}
+    for t, k, held, _, hop in evaluation.retention_events(traj, task):
+        if not held:
+            missing.setdefault(t, {})[k] = hop
+    return missing
+
+
+def mem_body(text: str, task, restore_hops: dict[int, int]) -> tuple[str, str]:
+    """A round's `<mem>` body written back by ``data.format_mem``, each objective of ``restore_hops`` filled
+    through its hop, and the round's text after the `<mem>`."""
+    m = MEM_RE.match(text)
+    entries = data.parse_mem(m.group(1) if m else "")
+    entries |= {k: filled_path(task.objectives[k], hop) for k, hop in restore_hops.items()}
+    return data.format_mem(entries), text[m.end() if m else 0:]
+
+
+def play_on(model, tokenizer, cases: list, system_prompt: str, agent, n: int, generator: torch.Generator,
+            batch: int = 32) -> list[list[float]]:
+    """Each case ``(records, mem body, golds, rounds left, tool)`` played on ``n`` times in the full context: its
+    next round starts with the forced ``<mem> body </mem>``, every later one with ``<mem>``, as the agent loop
+    (``rollout.rollout``) plays them, to an answer or the last round -> the outcome score of each (0 unanswered)."""
+    forced_mem = tokenizer.encode("<mem>", add_special_tokens=False)
+    runs = [SimpleNamespace(records=list(records), forced=tokenizer.encode(f"<mem> {body} </mem>",
+                                                                           add_special_tokens=False),
+                            golds=golds, left=left, tool=tool, answer=None, done=False)
+            for records, body, golds, left, tool in cases for _ in range(n)]
+    while live := [r for r in runs if not r.done]:
+        for i in range(0, len(live), batch):
+            part = live[i:i + batch]
+            contexts = [encode_chat(tokenizer, prepare_prompt(r.records, system_prompt, None)) for r in part]
+            outs = generate(model, [c + r.forced for c, r in zip(contexts, part)], agent.max_new_tokens,
+                            pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+                            stops=stop_strings(tokenizer, STOP_STRINGS), temperature=agent.temperature,
+                            top_p=agent.top_p, generator=generator)
+            for r, out in zip(part, outs):
+                text = cut_at_stop(tokenizer.decode(r.forced + out))
+                kind, body = parse_action(text)
+                r.records.append(Record("llm_gen", text))
+                r.forced, r.left = forced_mem, r.left - 1
+                if kind == "search":
+                    r.records.append(tool_record("search_results", r.tool.search(body), agent.webpage_chars))
+                elif kind == "access":
+                    r.records.append(tool_record("webpage", r.tool.access(body), agent.webpage_chars))
+                else:
+                    r.answer = body if kind == "answer" else None
+                r.done = kind not in ("search", "access") or r.left == 0
+    scores = [outcome_reward(SimpleNamespace(rounds=[x for x in r.records if x.type == "llm_gen"], answer=r.answer,
+                                             golds=r.golds))["score"] for r in runs]
     return [scores[j:j + n] for j in range(0, len(scores), n)]
 
 
-def restore_effect(pairs: list[tuple[int, list[float], list[float]]]) -> dict:
+def restore_effect(pairs: list[tuple[int, list[float], list[float]]], name: str = "restore") -> dict:
     """``(question, scores as written, scores restored)`` per rollout -> the figures of ``--restore``."""
     by_question: dict[int, list[float]] = {}
     for q, control, restored in pairs:
         by_question.setdefault(q, []).append(statistics.fmean(restored) - statistics.fmean(control))
     effects = [statistics.fmean(v) for v in by_question.values()]
     mean, ci = evaluation.mean_ci(effects) if effects else (float("nan"), float("nan"))
-    return {"restore_rollouts": len(pairs), "restore_questions": len(effects),
-            "restore_control": statistics.fmean(statistics.fmean(c) for _, c, _ in pairs) if pairs else float("nan"),
-            "restore_restored": statistics.fmean(statistics.fmean(r) for _, _, r in pairs) if pairs else float("nan"),
-            "restore_effect": mean, "restore_effect_ci": ci}
+    return {f"{name}_rollouts": len(pairs), f"{name}_questions": len(effects),
+            f"{name}_control": statistics.fmean(statistics.fmean(c) for _, c, _ in pairs) if pairs else float("nan"),
+            f"{name}_restored": statistics.fmean(statistics.fmean(r) for _, _, r in pairs) if pairs else float("nan"),
+            f"{name}_effect": mean, f"{name}_effect_ci": ci}
 
 
 def main(argv=None) -> None:
@@ -230,7 +261,7 @@ def main(argv=None) -> None:
     cfg = train.Config(seed=a.seed, train_context=a.context, temperature=a.temperature, questions=a.questions,
                        group=a.group, probe_think=think)
     agent = train.agent_config(cfg, prompt)
-    trajs, tasks, t0 = [], [], time.time()
+    trajs, tasks, tools, t0 = [], [], [], time.time()
     for step in a.steps:
         step_tasks, tool = train.rl_tasks(cfg, step)
         batch = train.sample_rollouts(model, tokenizer, step_tasks, 0, cfg, step, tool, agent)   # q0 as one process
@@ -238,23 +269,25 @@ def main(argv=None) -> None:
             tr.group_id += len(tasks)
         trajs += batch
         tasks += step_tasks
+        tools += [tool] * len(step_tasks)
     with torch.no_grad():
         mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
                              think=cfg.probe_think)
     scores = [outcome_reward(t)["score"] for t in trajs]
     out = {"checkpoint": a.checkpoint, "seed": a.seed, "steps": a.steps, "context": a.context,
            "temperature": a.temperature} | variety(trajs, tasks, mem, scores)
-    keys = []
+    keys: list[str] = []
     if a.restore:
-        found = [(tr.group_id, restore(tr, tasks[tr.group_id])) for tr in trajs]
-        found = [(q, arms) for q, arms in found if arms is not None]
         gen = torch.Generator(device=model.device).manual_seed(a.seed)
-        control, restored = ([] if not found else reanswer(
-            model, tokenizer, [(arms[arm][0], arms[arm][1], tasks[q].golds) for q, arms in found], prompt, a.restore,
-            a.temperature, cfg.max_new_tokens, gen) for arm in (0, 1))
-        out |= restore_effect([(q, c, r) for (q, _), c, r in zip(found, control, restored)])
-        keys = ["restore_rollouts", "restore_questions", "restore_control", "restore_restored", "restore_effect",
-                "restore_effect_ci"]
+        for name, pick in (("restore", restore), ("play_on", first_drop)):
+            found = [(tr.group_id, cut) for tr in trajs if (cut := pick(tr, tasks[tr.group_id])) is not None]
+            scores = []
+            for arm in (1, 2):                              # as written, restored
+                cases = [(cut[arm][0], cut[arm][1], tasks[q].golds,
+                          1 if name == "restore" else agent.max_turns - cut[0], tools[q]) for q, cut in found]
+                scores.append(play_on(model, tokenizer, cases, prompt, agent, a.restore, gen) if cases else [])
+            out |= restore_effect([(q, c, r) for (q, _), c, r in zip(found, *scores)], name)
+            keys += [f"{name}_{k}" for k in ("rollouts", "questions", "control", "restored", "effect", "effect_ci")]
     out["sec"] = round(time.time() - t0, 1)
     for key in ("questions", "rollouts", "measured", "varies", "varies_3plus", "varies_rounds",
                 "varies_rounds_3plus", "drop_rounds", "early", "p_mem", "p_full", "p_mem_std",
