@@ -5,8 +5,10 @@ import json
 
 import pytest
 import torch
+from transformers import StaticCache
 
 import data
+from conftest import ExpertTape
 from diagnostics import first_update, mem_grounded, memory_diagnostics
 from eval import summarize
 from memory import Record, tool_record
@@ -355,31 +357,22 @@ def test_variety_counts_questions_whose_rollouts_keep_and_drop_and_ranks_their_r
     assert out["retention_by_ago"]["1-1"] == 1.0 and out["drop_rounds"] > 0
 
 
-class AnswersFrom(torch.nn.Module):
-    """A real tiny model that writes `` <think> answer </think> <answer> {reads(context)} </answer>`` after any
-    prompt: its prefill reads the prompt's text, every decode step writes the next token of the answer. One
-    prompt a call (the engine drops a finished row from its batch, so a batch's rows could not be told apart)."""
+class AnswersFrom(ExpertTape):
+    """``ExpertTape`` whose tape its prefill writes: `` <think> answer </think> <answer> {reads(prompt text)}
+    </answer>``, the answer of what the prompt shows. One prompt a call (the engine drops a finished row from its
+    batch, so a batch's rows could not be told apart)."""
 
     def __init__(self, inner, tok, reads):
-        super().__init__()
-        self.inner, self.config, self.tok, self.reads, self.tape, self.n = inner, inner.config, tok, reads, [], 0
-
-    @property
-    def device(self):
-        return self.inner.device
+        super().__init__(inner, [])
+        self.tok, self.reads = tok, reads
 
     def forward(self, input_ids, **kw):
-        from transformers import StaticCache
-        out = self.inner(input_ids=input_ids, **kw)
-        if isinstance(kw.get("past_key_values"), StaticCache):
-            if input_ids.shape[1] > 1:                      # the prefill: a new prompt
-                row, = input_ids.tolist()
-                self.tape = self.tok.encode(f" <think> answer </think> <answer> {self.reads(self.tok.decode(row))}"
-                                            " </answer>", add_special_tokens=False)
-                self.n = 0
-            out.logits[0, -1, self.tape[self.n]] += 1e4
-            self.n += 1
-        return out
+        if isinstance(kw.get("past_key_values"), StaticCache) and input_ids.shape[1] > 1:   # the prefill: a new prompt
+            row, = input_ids.tolist()
+            self.tape = self.tok.encode(f" <think> answer </think> <answer> {self.reads(self.tok.decode(row))}"
+                                        " </answer>", add_special_tokens=False)
+            self.n = 0
+        return super().forward(input_ids, **kw)
 
 
 def test_restore_puts_back_what_the_forgetting_expert_dropped_and_separates_a_mem_reader_from_a_context_reader():

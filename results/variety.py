@@ -201,6 +201,7 @@ def play_on(model, tokenizer, cases: list, system_prompt: str, agent, n: int, ge
     next round starts with the forced ``<mem> body </mem>``, every later one with ``<mem>``, as the agent loop
     (``rollout.rollout``) plays them, to an answer or the last round -> the outcome score of each (0 unanswered)."""
     forced_mem = tokenizer.encode("<mem>", add_special_tokens=False)
+    stops = stop_strings(tokenizer, STOP_STRINGS)
     runs = [SimpleNamespace(records=list(records), forced=tokenizer.encode(f"<mem> {body} </mem>",
                                                                            add_special_tokens=False),
                             golds=golds, left=left, tool=tool, answer=None, done=False)
@@ -211,7 +212,7 @@ def play_on(model, tokenizer, cases: list, system_prompt: str, agent, n: int, ge
             contexts = [encode_chat(tokenizer, prepare_prompt(r.records, system_prompt, None)) for r in part]
             outs = generate(model, [c + r.forced for c, r in zip(contexts, part)], agent.max_new_tokens,
                             pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-                            stops=stop_strings(tokenizer, STOP_STRINGS), temperature=agent.temperature,
+                            stops=stops, temperature=agent.temperature,
                             top_p=agent.top_p, generator=generator)
             for r, out in zip(part, outs):
                 text = cut_at_stop(tokenizer.decode(r.forced + out))
@@ -281,12 +282,12 @@ def main(argv=None) -> None:
         gen = torch.Generator(device=model.device).manual_seed(a.seed)
         for name, pick in (("restore", restore), ("play_on", first_drop)):
             found = [(tr.group_id, cut) for tr in trajs if (cut := pick(tr, tasks[tr.group_id])) is not None]
-            scores = []
-            for arm in (1, 2):                              # as written, restored
+            played = []                                      # per arm: as written, restored
+            for arm in (1, 2):
                 cases = [(cut[arm][0], cut[arm][1], tasks[q].golds,
                           1 if name == "restore" else agent.max_turns - cut[0], tools[q]) for q, cut in found]
-                scores.append(play_on(model, tokenizer, cases, prompt, agent, a.restore, gen) if cases else [])
-            out |= restore_effect([(q, c, r) for (q, _), c, r in zip(found, *scores)], name)
+                played.append(play_on(model, tokenizer, cases, prompt, agent, a.restore, gen) if cases else [])
+            out |= restore_effect([(q, c, r) for (q, _), c, r in zip(found, *played)], name)
             keys += [f"{name}_{k}" for k in ("rollouts", "questions", "control", "restored", "effect", "effect_ci")]
     out["sec"] = round(time.time() - t0, 1)
     for key in ("questions", "rollouts", "measured", "varies", "varies_3plus", "varies_rounds",
