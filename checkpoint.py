@@ -1,11 +1,11 @@
 """Checkpoints, the run folder and its metrics: what a run writes, and how ``--resume`` reads it back.
 
 A run folder holds ``config.json`` (the run's Config), ``metrics.jsonl`` (one JSON row per logged step),
-``ckpt/`` (the newest checkpoint), ``sft/`` (the model when SFT ended), ``ref/`` (the KL reference,
-``--kl-coef`` > 0 or ``--log-kl``), ``base/`` (what LoRA adapters sit on) and ``final/``. Every model folder is
-``save_pretrained`` + the tokenizer + the system prompt it was trained with (``system_prompt.txt``, read back by
-``rollout.checkpoint_prompt``) + the memory reward's probe marker (``probe_think.txt``, ``trained_probe_think``), so
-a run from it probes as its SFT taught.
+``ckpt/`` (the newest checkpoint), ``saved.json`` (its stage and step), ``sft/`` (the model when SFT ended),
+``ref/`` (the KL reference, ``--kl-coef`` > 0 or ``--log-kl``), ``base/`` (what LoRA adapters sit on) and
+``final/``. Every model folder is ``save_pretrained`` + the tokenizer + the system prompt it was trained with
+(``system_prompt.txt``, read back by ``rollout.checkpoint_prompt``) + the memory reward's probe marker
+(``probe_think.txt``, ``trained_probe_think``), so a run from it probes as its SFT taught.
 
 * A checkpoint (model + ``trainer.pt``: optimizer, stage + step, torch RNG) is written whole to ``PATH.tmp``,
   flushed to disk, marked complete by ``complete.json`` written last (its files and their sizes), then
@@ -17,10 +17,14 @@ a run from it probes as its SFT taught.
   (``weights_only``: a pickled object that could run code is refused in one line) and drops the metrics rows a
   killed run logged after its checkpoint: they are logged again, so a resumed run's metrics.jsonl holds each
   step once. A run with no checkpoint yet starts from step 0, so the same ``--resume`` command can be repeated
-  by a scheduler from the first instant on.
+  by a scheduler from the first instant on. A folder with finished work and no checkpoint (``final/``, ``sft/``,
+  ``saved.json``: the checkpoint deleted, or a mistyped folder) is refused in one line: never trained over.
 * Every write of a run (checkpoint, ``final/``, ``ref/``, metrics, config, a viz page, an exported file) goes
-  through ``writing``: a full disk is one line naming the file and the newest intact checkpoint, and what it
-  replaces is written whole beside it first (``.tmp``, then renamed), so nothing complete is lost.
+  through ``writing``: a failed write (``write_error``) is one line naming the file, the cause (a full disk said
+  only when it is one) and the newest intact checkpoint; any other error keeps its traceback. What a write
+  replaces (a checkpoint, ``final/``, ``config.json``, a kept ``step_NNNN/``) is written whole beside it first
+  (``.tmp``, then renamed), so nothing complete is lost; a metrics row is appended and cut back if it fails
+  half way; a viz page or an exported file is written in place (a failed one is written again by a rerun).
 * The KL reference is the policy RL started from, saved once as ``RUN/ref`` when RL starts and loaded
   from there by every run, fresh or resumed: a resumed run pulls towards the same policy as an
   uninterrupted one (a copy of the current model would be the step-s checkpoint).
@@ -76,6 +80,11 @@ def save_checkpoint(path: str, model, tokenizer, optimizer, state: dict, system_
     os.replace(tmp, path)
     fsync_folder(os.path.dirname(os.path.abspath(path)))     # the renames on disk before the old copy goes
     discard(old)
+    # the run's record that it got this far: with the checkpoint deleted, --resume still knows not to start over
+    replace_file(os.path.join(os.path.dirname(path), SAVED), json.dumps(state), os.path.dirname(path))
+
+
+SAVED = "saved.json"    # RUN/saved.json: the stage and step of the newest checkpoint the run wrote
 
 
 COMPLETE = "complete.json"      # a checkpoint's marker, written last: a folder without it is a save cut short
@@ -122,24 +131,42 @@ def discard(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)   # open() / write(); torch.save; safetensors
+# what torch.save and safetensors say where open() / write() would raise OSError: their I/O failures carry no errno
+IO_MESSAGES = ("unexpected pos", "file write failed", "I/O error", "IoError", "No space left", "StorageFull")
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_error(e: BaseException) -> bool:
+    """Is ``e`` a failed write (open() / write()'s OSError, torch.save's or safetensors' I/O error) rather than a
+    bug or a device error raised while writing (a CUDA error, HF's shared-tensor check), which keeps its traceback?"""
+    return isinstance(e, OSError) or isinstance(e, (RuntimeError, SafetensorError)) \
+        and any(m in str(e) for m in IO_MESSAGES)
+
+
+def disk_full(e: BaseException, path: str) -> bool:
+    """Did ``e`` fail for want of space? Its errno (ENOSPC, EDQUOT) or message says so; an I/O error without an
+    errno (torch.save: "unexpected pos") on a disk with under 1 MiB free is taken as one."""
+    errno_ = getattr(e, "errno", None)
+    return errno_ in FULL or "No space left" in str(e) or "StorageFull" in str(e) \
+        or errno_ is None and free_bytes(path) < 2**20
 
 
 @contextlib.contextmanager
 def writing(path: str, run: str = "", cleanup=None):
-    """Write ``path`` (a file or a folder) inside this block: a write that fails (a full disk, a quota, an I/O
-    error) ends the run with one line naming ``path`` and, for a ``run``, its newest intact checkpoint, never a
-    traceback; ``cleanup()`` first removes what was half written. torch.save says "unexpected pos" and safetensors
-    "I/O error" where open() says ENOSPC, so the disk itself is asked whether it is full."""
+    """Write ``path`` (a file or a folder) inside this block: a write that fails (``write_error``: a full disk, a
+    quota, an I/O error) ends the run with one line naming ``path``, what failed and, for a ``run``, its newest
+    intact checkpoint, never a traceback; ``cleanup()`` first removes what was half written. Any other error
+    raised inside (a bug, a CUDA error) is not a write error and goes on as it is."""
     try:
         yield
-    except WRITE_ERRORS as e:
-        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(e) \
-            or free_bytes(path) < 2**20
+    except Exception as e:
+        if not write_error(e):
+            raise
+        full = disk_full(e, path)
         line = f"error: could not write {path}: {'no space left on device' if full else _first_line(e)}"
         if cleanup is not None:
             cleanup()
-        raise SystemExit(line + (f"; {intact_checkpoint(run)}" if run else "")) from None
+        raise SystemExit(line + (f"; {intact_checkpoint(run, full)}" if run else "")) from e
 
 
 def free_bytes(path: str) -> int:
@@ -150,8 +177,9 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
-def intact_checkpoint(run: str) -> str:
-    """Where ``run`` stands for ``--resume``, in words: its newest intact checkpoint and step, or none yet."""
+def intact_checkpoint(run: str, full: bool = True) -> str:
+    """Where ``run`` stands for ``--resume``, in words: its newest intact checkpoint and step, or none yet; ``full``:
+    the write failed for want of space, so the advice is to free some first."""
     ckpt = os.path.join(run, "ckpt")
     for folder in (os.path.join(run, c) for c in CANDIDATES):
         if os.path.isdir(folder) and checkpoint_damage(folder, need_marker=folder != ckpt) is None:
@@ -161,7 +189,8 @@ def intact_checkpoint(run: str) -> str:
                 at = f" ({state['stage']} step {state['step']})"
             except (OSError, ValueError, KeyError, TypeError):
                 at = ""
-            return f"the newest intact checkpoint is {folder}{at}: free space, then rerun with --resume"
+            advice = "free space, then rerun" if full else "rerun"
+            return f"the newest intact checkpoint is {folder}{at}: {advice} with --resume"
     return f"{run} has no intact checkpoint yet: rerun with --resume to start it again from step 0"
 
 
@@ -248,6 +277,16 @@ def write_folder(path: str, write, run: str = "") -> None:
         os.replace(tmp, path)
 
 
+def keep_step(run: str, step: int) -> None:
+    """``RUN/step_NNNN`` (``--keep-checkpoints``): the model of ``RUN/ckpt`` at ``step``, without its optimizer or
+    marker (a model folder for eval.py, not a checkpoint), written whole (``write_folder``); rank 0. One already
+    there is kept, so a run resumed after a failed copy writes the copy it lacks."""
+    kept = os.path.join(run, f"step_{step:04d}")
+    if dist.DIST.rank == 0 and not os.path.isdir(kept):
+        skip = shutil.ignore_patterns("trainer.pt", COMPLETE)
+        write_folder(kept, lambda tmp: shutil.copytree(os.path.join(run, "ckpt"), tmp, ignore=skip), run)
+
+
 def run_config(checkpoint: str) -> dict:
     """The RUN/config.json of the run that wrote ``checkpoint`` (a run folder or a folder inside one: ``final``,
     ``ckpt``, ``sft``); {} for a checkpoint without one (e.g. a hub model)."""
@@ -274,17 +313,25 @@ def trained_probe_think(checkpoint: str) -> str:
 
 
 def log_jsonl(path: str, row: dict) -> None:
-    """Append ``row`` to the metrics file (rank 0), and its numbers to every ``--report-to`` logger."""
+    """Append ``row`` to the metrics file (rank 0), and its numbers to every ``--report-to`` logger. The row goes
+    down in unbuffered ``os.write`` calls and a failed one cuts the file back to its size before (``os.ftruncate``):
+    a full disk leaves whole rows only. (A buffered file would flush the rest of the row again inside
+    ``truncate()``, fail again, and leave the half row.)"""
     if dist.DIST.rank != 0:       # torchrun: rank 0 writes the (already reduced) metrics
         return
-    with writing(path, os.path.dirname(path)), open(path, "a") as f:
-        size = f.tell()
+    line = memoryview((json.dumps(row) + "\n").encode())
+    with writing(path, os.path.dirname(path)):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-        except OSError:
-            f.truncate(size)      # no half row left behind: a full disk, then --resume, reads every row
-            raise
+            size = os.fstat(fd).st_size
+            try:
+                while line:
+                    line = line[os.write(fd, line):]
+            except OSError:
+                os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
     for log, _ in REPORTERS:
         log(row)
 
@@ -403,6 +450,11 @@ def resume(run: str) -> dict | None:
     if found is None and passed:
         raise SystemExit(f"error: --resume {run}: no intact checkpoint: {'; '.join(passed)}")
     if found is None:
+        done = finished_work(run)
+        if done:            # a checkpoint deleted, or a mistyped folder: starting from 0 would train over it
+            print(f"error: --resume {run}: no checkpoint, but it holds finished work ({done}): nothing touched; "
+                  f"choose another --run to train again", file=sys.stderr)
+            raise SystemExit(2)
         if dist.DIST.rank == 0:
             print(f"--resume {run}: no checkpoint yet (stopped before its first save): starting from step 0",
                   file=sys.stderr)
@@ -422,6 +474,22 @@ def resume(run: str) -> dict | None:
     trainer = load_trainer(os.path.join(ckpt, "trainer.pt"), run)
     truncate_metrics(os.path.join(run, "metrics.jsonl"), trainer["state"])
     return trainer
+
+
+def finished_work(run: str) -> str:
+    """What in ``run`` only a run past its first checkpoint leaves, in words ("" for none): a finished stage's model
+    (``final/``, ``sft/``, a kept ``step_NNNN/``) or ``saved.json``, the record every checkpoint writes beside
+    itself. A run stopped before its first save leaves none of them, and only such a run starts again from 0."""
+    kept = sorted(n for n in os.listdir(run) if re.fullmatch(r"step_\d+", n)) if os.path.isdir(run) else []
+    for name in ["final", "sft"] + kept:
+        if os.path.isdir(os.path.join(run, name)):
+            return os.path.join(run, name)
+    try:
+        with open(os.path.join(run, SAVED)) as f:
+            state = json.load(f)
+        return f"a checkpoint was saved at {state['stage']} step {state['step']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def load_trainer(path: str, run: str) -> dict:

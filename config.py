@@ -63,7 +63,7 @@ class Config:
     eval_every: int = flag(20, "greedy eval every N RL steps (and every 500 SFT steps; 0 = off)", min=0)
 
     clip_low: float = flag(0.2, "PPO clip below 1", min=0, max=1,
-                    section="the update: PPO's knobs (at one epoch and one mini-batch the ratio is 1)")
+                    section="the update: PPO's knobs (at one epoch and one mini-batch the update is REINFORCE)")
     clip_high: float = flag(0.2, "PPO clip above 1", min=0)
     dual_clip: float = flag(0.0, "dual clip c for A<0 (0 = off)", above=1, off=0)
     kl_coef: float = flag(0.0, "k3 KL to the initial policy in the loss (0 = none)", min=0)
@@ -71,9 +71,10 @@ class Config:
     # is divided by its trajectory's policy-token count (grpo.policy_loss, seq_tokens)
     agg: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum",
                     choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
-    # one optimizer step per rollout batch: old_logp is the detached logp of the same forward (ratio 1, exactly
-    # on-policy: REINFORCE with the group baseline, the clip never acts), so no extra forward is spent; more epochs
-    # or mini-batches (verl's) take old_logp from a no-grad forward first, and the clip acts from the second step on
+    # one optimizer step per rollout batch: exactly on-policy, so the default update is REINFORCE with the group
+    # baseline (train.reinforce_update: no old log-probs, no ratio, no clip, no extra forward); more epochs or
+    # mini-batches (verl's) go to ppo.py, which takes old log-probs from a no-grad forward first: the clip acts from
+    # the second optimizer step on
     ppo_epochs: int = flag(1, "update passes per batch", min=1)
     ppo_minibatches: int = flag(1, "optimizer steps per pass: the batch cut into N mini-batches of whole trajectories "
                                    "(> 1: the PPO clip acts from the second step on)", min=1)

@@ -14,7 +14,8 @@ train.py's default update needs no more than these: -(A * logp) over the policy 
 logp_old), aggregated over tokens (verl's default) or per trajectory first (the paper's Eq. 10), for ppo.py's
 epochs and mini-batches; at its first step rho = 1 and the clip never acts, the same gradient.
 Mask convention: 1 = sampled by the policy, 0 = prompt, tool output, padding. std is the unbiased one
-(torch.std, verl's): a group of scores [1,0,1,1,0] gets +0.7303 / -1.0954, not the population std's +0.8 / -1.2.
+(torch.std, verl's): a group of scores [1,0,1,1,0] gets +0.7303 / -1.0954, not the population std's +0.8165 /
+-1.2247.
 
 Left out: sampling, the reference model and the optimizer (the caller's); a value model (GRPO has none). Here
 for every recipe: Dr.GRPO's and DAPO's options and the training rows (``Sample``, ``collate``, ``micro_batches``).

@@ -90,7 +90,7 @@ def step_metrics(v: dict[str, list]) -> dict:
         m["early_frac"] = sum(v["early"]) / len(v["early"])
     if "mem" in v:
         flat, n_empty, n_none = v["mem"], sum(v["empty"]), sum(v["no_signal"])
-        # pool_std: the mean over the advantage's pools (per question; per round / nonzero as --mem-adv-norm)
+        # pool_std: the mean over the advantage's pools (one per question; without its zero rewards at nonzero)
         m.update(mem_reward=mean(flat), p_mem=mean(v["p_mem"]), p_full=mean(v["p_full"]),
                  mask_mem=mean(v["mask_mem"]), mask_full=mean(v["mask_full"]),
                  empty_frac=n_empty / len(flat) if flat else 0.0, no_signal_frac=n_none / len(flat) if flat else 0.0,

@@ -289,8 +289,10 @@ def test_the_same_resume_command_repeated_after_sigkills_at_random_instants_fini
     in its first steps (before any checkpoint), then at random instants of its steps, then left to finish: the
     uninterrupted run's weights, each metrics row once."""
     full, run = tmp_path / "full", tmp_path / "run"
+    t0 = time.time()
     subprocess.run([sys.executable, "train.py", "--run", str(full)] + LONGER, cwd=HERE, env=ENV,
                    capture_output=True, timeout=300, check=True)
+    took = time.time() - t0                  # a kill drawn within the steps of a run this long, start-up included
     cmd = [sys.executable, "train.py", "--run", str(run), "--resume"] + LONGER
     rng = random.Random(0)
     inode = lambda path: path.stat().st_ino if path.exists() else None
@@ -301,7 +303,8 @@ def test_the_same_resume_command_repeated_after_sigkills_at_random_instants_fini
         while p.poll() is None and time.time() < deadline and (
                 inode(run / "config.json") in (None, config) or kill == 0 and not (run / "metrics.jsonl").exists()):
             time.sleep(0.005)
-        time.sleep(0.0 if kill == 0 else rng.uniform(0.0, 6.0))
+        time.sleep(0.0 if kill == 0 else rng.uniform(0.0, took / 4))
+        assert p.poll() is None, f"attempt {kill} ended before its kill: the kill tested nothing"
         p.send_signal(signal.SIGKILL)
         p.wait()
         if kill == 0:
@@ -325,7 +328,13 @@ def small_disk(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     sh = lambda *a: subprocess.run(a, check=True, capture_output=True)
-    mount = lambda size: sh("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)) and disk
+
+    def mount(size):
+        try:
+            sh("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk))
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:     # not root, or a sandbox without mount
+            pytest.skip(f"cannot mount a tmpfs here: {getattr(e, 'stderr', b'').decode().strip() or e}")
+        return disk
     yield mount, lambda size: sh("mount", "-o", f"remount,size={size}", str(disk))
     subprocess.run(["umount", "--lazy", str(disk)], capture_output=True)     # detached even if a file is open
 
@@ -377,22 +386,59 @@ class FullDisk:
         return f
 
 
-def test_a_full_disk_at_a_metrics_row_is_one_line_and_leaves_no_half_row(between_renames, tmp_path):
-    """The step-11 row fails half written (after the step-10 checkpoint): one line naming metrics.jsonl and the
-    intact checkpoint; the file keeps whole rows only, and --resume finishes as the uninterrupted run."""
+def test_a_metrics_row_that_fills_a_real_disk_is_one_line_and_leaves_the_file_as_it_was(small_disk):
+    """A real tmpfs with every page taken but the few free bytes in metrics.jsonl's last one: the next row goes
+    down only in part before the disk says ENOSPC. One line naming the file; the file holds its whole rows and not
+    a byte more (a buffered file would fail again inside truncate() and leave the part)."""
+    mount, _ = small_disk
+    disk = mount(256 * 1024)
+    path = disk / "metrics.jsonl"
+    for step in range(3):           # rows to within ~100 bytes of the end of the file's first page
+        checkpoint.log_jsonl(str(path), {"stage": "sft", "step": step, "note": "n" * (1300 - 3 * step)})
+    before = path.read_bytes()
+    assert 3900 < len(before) < 4096
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"x" * 4096):
+            pass
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    with pytest.raises(SystemExit) as stop:
+        checkpoint.log_jsonl(str(path), {"stage": "sft", "step": 3, "note": "y" * 600})   # a row a buffer holds
+    assert str(stop.value.code).startswith(f"error: could not write {path}: no space left on device; ")
+    assert path.read_bytes() == before
+
+
+def test_a_full_disk_at_a_run_s_metrics_row_names_the_intact_checkpoint_and_resume_finishes(between_renames,
+                                                                                            tmp_path):
+    """The step-11 row of a real run fails after half of it is written (the disk's short write, then ENOSPC, at
+    the write call itself): one line naming metrics.jsonl and the step-10 checkpoint; whole rows only; the same
+    command with --resume finishes as the uninterrupted run."""
     full, _ = between_renames
     run = tmp_path / "run"
+    real, rows = os.write, []
+
+    def write(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl"):
+            rows.append(fd)
+            if len(rows) == 2:                   # the second row: step 11 (rows at steps 0 and 11)
+                real(fd, data[:len(data) // 2])
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(checkpoint, "open", FullDisk("metrics.jsonl", after=1), raising=False)
+        mp.setattr(os, "write", write)
         with pytest.raises(SystemExit) as stop:
             train.main(["--run", str(run)] + TINY)
     assert str(stop.value.code) == (f"error: could not write {run / 'metrics.jsonl'}: no space left on device; "
                                     f"the newest intact checkpoint is {run / 'ckpt'} (sft step 10): free space, "
                                     f"then rerun with --resume")
-    assert all(checkpoint.whole_row(ln) for ln in open(run / "metrics.jsonl"))
+    assert [json.loads(ln)["step"] for ln in open(run / "metrics.jsonl")] == [0]
     train.main(["--run", str(run), "--resume"] + TINY)
     assert all(torch.equal(a, b) for a, b in zip(weights(full).values(), weights(run).values()))
-    assert open(run / "metrics.jsonl").read() .count("\n") == open(full / "metrics.jsonl").read().count("\n")
+    key = lambda path: [(r["stage"], r["step"]) for r in map(json.loads, open(path))]
+    assert key(run / "metrics.jsonl") == key(full / "metrics.jsonl")
 
 
 def test_a_full_disk_at_the_final_model_is_one_line_and_no_partial_final(between_renames, tmp_path):
@@ -436,3 +482,93 @@ def test_a_full_disk_at_the_config_or_an_exported_file_is_one_line_naming_it(tmp
                       "--episodes", "4"])
     assert str(stop.value.code) == f"error: could not write {tmp_path / 'exported' / 'test_k2.jsonl'}: no space " \
                                    f"left on device"
+
+
+# --------------------------------------------------------------------------- finished work; errors by their name
+
+@pytest.mark.parametrize("left", ["final", "saved.json"])
+def test_resume_never_trains_over_finished_work_whose_checkpoint_is_gone(between_renames, tmp_path, left):
+    """A finished run whose ``ckpt`` was deleted (as people delete optimizer states), or a run whose only trace of
+    its checkpoints is ``saved.json``: ``--resume`` is one line and exit 2, and touches nothing (no retraining
+    from step 0 over its metrics and models)."""
+    full, _ = between_renames
+    run = tmp_path / "run"
+    shutil.copytree(full, run)
+    shutil.rmtree(run / "ckpt")
+    if left == "saved.json":
+        shutil.rmtree(run / "final")
+        shutil.rmtree(run / "sft")
+    files = lambda: {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    before = files()
+    done = subprocess.run([sys.executable, "train.py", "--run", str(run), "--resume"] + TINY, cwd=HERE, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    held = run / "final" if left == "final" else "a checkpoint was saved at sft step 12"   # RUN/sft, the last
+    assert (done.returncode, done.stderr) == (2, f"error: --resume {run}: no checkpoint, but it holds finished work "
+                                                 f"({held}): nothing touched; choose another --run to train again\n")
+    assert files() == before
+
+
+def test_an_error_that_is_not_a_write_error_keeps_its_traceback_and_a_full_disk_is_said_only_when_it_is(
+        tmp_path, monkeypatch):
+    """Inside ``writing``: a CUDA or HF error (RuntimeError) is raised as it is, never "could not write"; on a disk
+    with under 1 MiB free, a permission error is named as one, with no advice to free space; torch.save's errno-less
+    "unexpected pos" there is a full disk."""
+    run, path = str(tmp_path), str(tmp_path / "ckpt.tmp")
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        with checkpoint.writing(path, run):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda p: 1000)          # a nearly full disk
+    with pytest.raises(SystemExit) as stop:
+        with checkpoint.writing(path, run):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+    assert str(stop.value.code) == (f"error: could not write {path}: [Errno 13] Permission denied: '{path}'; {run} "
+                                    f"has no intact checkpoint yet: rerun with --resume to start it again from step 0")
+    assert isinstance(stop.value.__cause__, PermissionError)
+    with pytest.raises(SystemExit) as stop:
+        with checkpoint.writing(path):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 128")
+    assert str(stop.value.code) == f"error: could not write {path}: no space left on device"
+
+
+def test_intact_checkpoint_advises_freeing_space_only_for_a_full_disk(between_renames, tmp_path):
+    _, killed = between_renames
+    run = copy_of(killed, tmp_path)
+    ckpt = os.path.join(run, "ckpt.tmp")
+    assert checkpoint.intact_checkpoint(run, full=False) == \
+        f"the newest intact checkpoint is {ckpt} (sft step 10): rerun with --resume"
+    assert checkpoint.intact_checkpoint(run).endswith(": free space, then rerun with --resume")
+
+
+KEEP = ["--sft-steps", "0", "--questions", "2", "--group", "2", "--max-turns", "2", "--max-new-tokens", "8",
+        "--eval-every", "0", "--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--rl-steps", "3",
+        "--save-every", "1", "--lr", "1e-2", "--keep-checkpoints"]
+
+
+def test_a_full_disk_at_a_kept_model_leaves_no_partial_copy_and_resume_writes_it(tmp_path):
+    """``--keep-checkpoints``: the copy of step 2 fails half way (a full disk): one line, no ``step_0002`` or its
+    ``.tmp``; ``--resume`` from the step-2 checkpoint writes the copy it lacks, and every kept folder is a model
+    folder (no trainer.pt, no checkpoint marker listing one) equal to the uninterrupted run's."""
+    full, run = tmp_path / "full", tmp_path / "run"
+    train.main(["--run", str(full)] + KEEP)
+    real = shutil.copyfile
+
+    def copy(src, dst, *a, **kw):
+        if "step_0002" in str(dst) and os.fspath(src).endswith(".safetensors"):
+            with open(dst, "wb") as f:
+                f.write(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst, *a, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(shutil, "copyfile", copy)
+        with pytest.raises(SystemExit) as stop:
+            train.main(["--run", str(run)] + KEEP)
+    assert str(stop.value.code).startswith(f"error: could not write {run / 'step_0002'}: no space left on device; "
+                                           f"the newest intact checkpoint is {run / 'ckpt'} (rl step 2)")
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_0001"]
+    train.main(["--run", str(run), "--resume"] + KEEP)
+    kept = sorted(p.name for p in run.glob("step_*"))
+    assert kept == ["step_0001", "step_0002", "step_0003"] == sorted(p.name for p in full.glob("step_*"))
+    for name in kept:
+        assert sorted(p.name for p in (run / name).iterdir()) == sorted(p.name for p in (full / name).iterdir())
+        assert not {"trainer.pt", checkpoint.COMPLETE} & {p.name for p in (run / name).iterdir()}
+        assert (run / name / "model.safetensors").read_bytes() == (full / name / "model.safetensors").read_bytes()

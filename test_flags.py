@@ -118,7 +118,7 @@ def test_help_groups_the_flags_by_config_section_and_a_recipe_s_own_last(capsys)
     assert len(titles) == 5 and len(first) <= 25
     assert {"model", "data", "corpus", "search_url", "rl_steps", "lr", "mem_weight", "lora_rank",
             "report_to"} <= set(first)
-    assert not {"sft_steps", "forget_p", "hidden", "mem_adv_norm", "outcome", "clip_low"} & set(first)
+    assert not {"sft_steps", "forget_p", "hidden", "mem_adv_norm", "clip_low"} & set(first)
     for config in CONFIGS:
         with pytest.raises(SystemExit):
             train.parse_args(["--help"], config)

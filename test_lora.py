@@ -112,9 +112,9 @@ def test_lora_with_fsdp_is_refused_in_one_line():
 
 
 def test_smollm2_under_rank_16_trains_the_adapters_alone():
-    """SmolLM2-135M (``--model smollm2``) under ``--lora-rank 16``: an update through ``ppo_update`` on an optimizer
-    over the trainable parameters leaves every base weight bit-identical and moves the adapters; the KL reference
-    (adapters off) still gives the base's log-probs."""
+    """SmolLM2-135M (``--model smollm2``) under ``--lora-rank 16``: an update (``train.update``, the default
+    ``reinforce_update``) on an optimizer over the trainable parameters leaves every base weight bit-identical and
+    moves the adapters; the KL reference (adapters off) still gives the base's log-probs."""
     model, tok = models.load_pretrained("smollm2", CPU)
     cfg = train.parse_args(["--model", "smollm2", "--lora-rank", "16", "--lr", "1e-3", "--temperature", "1"])
     ids = tok.encode("<mem> Paris is the capital of France </mem> <think> answer </think> <answer> Paris </answer>")

@@ -466,12 +466,12 @@ def nested(mem: dict, values, n: int) -> list[list[float]]:
 def spied_rl_step(sft_run, monkeypatch, extra: list[str]) -> tuple:
     """One RL step of the fixture policy (RL_ARGS: 2 questions x 3 rollouts) with every wire spied on: (cfg, calls,
     the step's trajectories, the rows update got). The update must run (not skipped): the wiring past it is
-    what is tested. The memory advantage is handed to rl_step as main hands it, the paper's pool (spied on)."""
+    what is tested. The memory advantage is the one ``--mem-adv-norm`` picks: at its default the paper's pool."""
     model, tok = load(sft_run / "final")
     cfg = train.parse_args(RL_ARGS + extra)
     calls = spy_on(monkeypatch, WIRES)
     m = train.rl_step(model, None, tok, torch.optim.AdamW(model.parameters(), lr=cfg.lr), cfg, 0,
-                      train.agent_config(cfg), mem_advantage=train.memory_advantage)
+                      train.agent_config(cfg))
     assert "skipped" not in m, m
     (_, trajs), = calls["rollout"]
     (update, _), = calls["update"]
@@ -590,3 +590,28 @@ def test_an_rl_step_in_full_context_trains_each_growing_trajectory_as_one_row(sf
             assert torch.allclose(adv[b], want, atol=1e-6), (adv[b] - want).abs().max()
             seen += 1
     assert seen == one_rows
+
+
+def test_mem_adv_norm_nonzero_through_main_trains_and_logs_the_nonzero_pool(sft_run, tmp_path, monkeypatch):
+    """``--mem-adv-norm nonzero`` on the command line: the step's A_M comes from the nonzero pool (the paper's is
+    never called) and the logged pool figures are the nonzero pool's, from the same flag: one source of truth."""
+    import variants
+    calls = spy_on(monkeypatch, ["memory_advantage", "nonzero_memory_advantage", "memory_rewards"])
+    logged = []
+    real = metrics.memory_pool_weights
+    monkeypatch.setattr(metrics, "memory_pool_weights", lambda *a: logged.append(a) or real(*a))
+    run = tmp_path / "run"
+    train.main(["--run", str(run), "--model", str(sft_run / "final"), "--mem-adv-norm", "nonzero"]
+               + RL_ARGS[:1] + ["1"] + RL_ARGS[2:])
+    assert "memory_advantage" not in calls and len(calls["nonzero_memory_advantage"]) == 1
+    (args, adv), = calls["nonzero_memory_advantage"]
+    (_, mem), = calls["memory_rewards"]
+    rewards, adv_logged, questions, norm = logged[0]
+    assert norm == "nonzero" and adv_logged == adv.tolist() and rewards == mem["reward"]
+    row, = [json.loads(ln) for ln in open(run / "metrics.jsonl")]
+    pools = variants.memory_pool_weights(mem["reward"], adv.tolist(), questions, "nonzero")
+    assert row["pool_std"] == pytest.approx(sum(s for s, _ in pools) / len(pools) if pools else 0.0)
+    # rl_step called on its own (as bench_update.py and the tests call it) pools as its config says, too
+    calls.clear()
+    spied_rl_step(sft_run, monkeypatch, ["--mem-adv-norm", "nonzero"])
+    assert "memory_advantage" not in calls and len(calls["nonzero_memory_advantage"]) == 1

@@ -86,7 +86,8 @@ def test_ppo_with_two_epochs_and_kl_reference_is_finite():
 
 
 def _sgd_step(samples, cfg_args, seed=0):
-    """Weights after one ppo_update with plain SGD at lr 1 and no clipping: old - new = the gradient."""
+    """Weights after one ``train.update`` (``reinforce_update`` at token-mean, ``ppo.ppo_update`` for a seq-mean
+    ``--agg``) with plain SGD at lr 1 and no clipping: old - new = the gradient."""
     tok = data.build_tokenizer()
     model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, seed=seed)
     cfg = train.parse_args(cfg_args + ["--grad-clip", "1e9", "--temperature", "1"])   # the naive loss has no T
@@ -120,7 +121,7 @@ def _naive_gradient(samples, agg, seed=0):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_ppo_update_gradient_equals_naive_per_trajectory_loss_with_or_without_micro_batches(agg):
+def test_the_update_gradient_equals_naive_per_trajectory_loss_with_or_without_micro_batches(agg):
     samples = hand_built_samples(n=8, seed=2)
     for i, s in enumerate(samples):
         s.traj = [0, 0, 0, 1, 1, 2, 3, 3][i]        # rows of one trajectory differ in length: sorting splits them
@@ -267,3 +268,20 @@ def test_asymmetric_clip_bounds_and_the_dual_clip_reach_policy_loss(monkeypatch)
                          cfg, tok.pad_token_id)
     assert "skipped" not in m and m["clip_frac"] > 0
     assert len(seen) >= 2 and set(seen) == {(0.1, 0.3, 3.0)}
+
+
+def test_log_kl_leaves_the_default_update_as_it_is_and_logs_ppos_kl():
+    """``--log-kl`` at ``--kl-coef`` 0 only logs: the same weights as without it, bit for bit, the same metrics
+    keys plus ``kl``, and that ``kl`` is the one ppo.py logs against the same reference on the same rows."""
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    ref = data.build_tiny_model(tok, hidden=32, layers=1, heads=2, seed=1).eval()   # another policy: kl > 0
+    plain, twin = copy.deepcopy(model), copy.deepcopy(model)
+    cfg = train.parse_args(["--lr", "1e-2", "--micro-tokens", "40", "--log-kl"])
+    opt = lambda m: torch.optim.AdamW(m.parameters(), lr=cfg.lr)
+    logged = train.update(model, ref, opt(model), hand_built_samples(), cfg, tok.pad_token_id)
+    base = train.update(plain, None, opt(plain), hand_built_samples(), cfg, tok.pad_token_id)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+    assert set(logged) == set(base) | {"kl"} and logged["loss"] == base["loss"]
+    via_ppo = ppo.ppo_update(twin, ref, opt(twin), hand_built_samples(), cfg, tok.pad_token_id)
+    assert logged["kl"] > 0 and logged["kl"] == pytest.approx(via_ppo["kl"], rel=1e-5)

@@ -42,6 +42,9 @@ def test_pool_weights_are_each_pools_std_and_advantage_mass():
     # pools of >= 2 rewards: question 0 (std 0.2, |A| 0 + 1 + 1), question 1 (std 0.001, also 2); question 2 is alone
     (s0, w0), (s1, w1) = memory_pool_weights(rewards, adv, questions)
     assert (s0, w0, s1, w1) == pytest.approx((0.2, 2.0, 0.001, 2.0), rel=1e-3)   # the eps: 2 * 0.001 / 0.001001
-    # nonzero: question 0's pool is {0.2, 0.4} without its zero
-    assert memory_pool_weights(rewards, adv, questions, "nonzero")[0][0] == pytest.approx(0.1 * 2 ** 0.5)
+    # nonzero, fed the nonzero pool's own advantages: question 0's pool is {0.2, 0.4} without its zero (A = -+0.7071,
+    # mass 1.4142), question 1's as before
+    adv_nz = nonzero(rewards, questions)
+    (s0, w0), (s1, w1) = memory_pool_weights(rewards, adv_nz, questions, "nonzero")
+    assert (s0, w0, s1, w1) == pytest.approx((0.1 * 2 ** 0.5, 2 ** 0.5, 0.001, 2.0), rel=1e-3)
     assert memory_pool_weights([0.5], [0.0], [0]) == []

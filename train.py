@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import shutil
 import time
 from dataclasses import asdict
 
@@ -50,19 +49,18 @@ from variants import nonzero_memory_advantage
 # --------------------------------------------------------------------------- one RL step
 
 def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agent: AgentConfig,
-            real_tasks=None, real_tool=None, mem_advantage=memory_advantage) -> dict:
+            real_tasks=None, real_tool=None) -> dict:
     """One RL step, MemPO's (or GRPO's with ``--algo grpo``): returns the step's metrics.
 
         1. B questions x G rollouts                      rollout.rollout
         2. each trajectory's outcome score -> A_T        reward.outcome_reward, grpo.grouped_advantage per question
-        3. MemPO: each round's memory reward -> A_M      reward.memory_rewards, ``mem_advantage`` per question
+        3. MemPO: each round's memory reward -> A_M      reward.memory_rewards, grpo.memory_advantage per question
         4. the training rows, advantages on them         build_samples
         5. the update                                    update
 
-    ``mem_advantage``: the paper's pool (``grpo.memory_advantage``) unless ``--mem-adv-norm nonzero`` chose
-    ``variants.nonzero_memory_advantage`` when the run started. Under torchrun (dist.py) the step meets the other
-    ranks at three points: ``dist.my_share`` (each rank rolls out and scores its own questions: a group never
-    spans ranks), ``metrics.rl_metrics`` (the values are gathered) and ``update`` (one update over all ranks)."""
+    Under torchrun (dist.py) the step meets the other ranks at three points: ``dist.my_share`` (each rank rolls out
+    and scores its own questions: a group never spans ranks), ``metrics.rl_metrics`` (the values are gathered) and
+    ``update`` (one update over all ranks)."""
     logged: dict = {"stage": "rl", "step": step}
     tasks, tool = rl_tasks(cfg, step, real_tasks, real_tool)
     failures = tool.failures
@@ -75,7 +73,7 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         outs = [outcome_reward(t) for t in trajs]                     # score = objectives right / K
         question_ids = torch.tensor([t.group_id for t in trajs])      # each rollout's question: its group
         adv_t = grouped_advantage(torch.tensor([o["score"] for o in outs]), question_ids)
-        mem, adv_m = memory_advantages(model, tokenizer, trajs, cfg, mem_advantage) if cfg.algo == "mempo" \
+        mem, adv_m = memory_advantages(model, tokenizer, trajs, cfg) if cfg.algo == "mempo" \
             else (None, {})
         logged["sec_reward"] = time.time() - t0
 
@@ -116,17 +114,18 @@ def sample_rollouts(model, tokenizer, tasks: list, q0: int, cfg: Config, step: i
     return trajs
 
 
-def memory_advantages(model, tokenizer, trajs: list, cfg: Config, mem_advantage=memory_advantage) -> tuple[dict, dict]:
+def memory_advantages(model, tokenizer, trajs: list, cfg: Config) -> tuple[dict, dict]:
     """MemPO's memory reward of every round after the first whose ``<mem>`` closed (``reward.memory_rewards``, at the
     defaults ``--threshold`` 0.5, ``--mem-mask`` separate, and ``--probe-think`` auto = ``probe``, the marker the
-    embedded SFT teaches: ``resolve_probe_think``) and
-    its advantage A_M (``mem_advantage``: the paper's pool over the question's rounds unless ``--mem-adv-norm``
-    nonzero), keyed by (trajectory, round)."""
+    embedded SFT teaches: ``resolve_probe_think``) and its advantage A_M (``grpo.memory_advantage``, the paper's
+    pool over the question's rounds, at the default ``--mem-adv-norm`` std; ``variants.nonzero_memory_advantage``
+    at nonzero: ``metrics.rl_metrics`` reads the same flag), keyed by (trajectory, round)."""
     with autocast(cfg.precision, model.device):
         mem = memory_rewards(model, tokenizer, trajs, threshold=cfg.threshold, mask_mode=cfg.mem_mask,
                              think=cfg.probe_think)
     question_ids = torch.tensor([trajs[i].group_id for i, _ in mem["scored"]])      # each scored round's question
-    adv = mem_advantage(torch.tensor(mem["reward"], dtype=torch.float64), question_ids).tolist()
+    pool = nonzero_memory_advantage if cfg.mem_adv_norm == "nonzero" else memory_advantage     # the paper's: std
+    adv = pool(torch.tensor(mem["reward"], dtype=torch.float64), question_ids).tolist()
     return mem, dict(zip(mem["scored"], adv))
 
 
@@ -162,17 +161,17 @@ def build_samples(trajs, adv_t: torch.Tensor, adv_m: dict[tuple[int, int], float
 def update(model, ref_model, optimizer, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
     """The update on one step's rows -> its metrics. The default is ``reinforce_update``. ONE branch leaves it:
     PPO's epochs or mini-batches (a second optimizer step on the same rollouts makes the ratio differ from 1, so
-    it needs old log-probs and the clip), a reference model (``--kl-coef`` > 0 or ``--log-kl``: its log-probs),
-    another ``--agg``, or torchrun (global denominators, gradient sync): each is ``ppo.ppo_update``. At the
-    defaults none holds: 1 epoch, 1 mini-batch, token-mean, plain python, and no reference (``run_rl`` loads one
-    only for ``--kl-coef`` > 0 or ``--log-kl``)."""
-    if cfg.ppo_epochs > 1 or cfg.ppo_minibatches > 1 or ref_model is not None or cfg.agg != "token-mean" \
+    it needs old log-probs and the clip), a KL term in the loss (``--kl-coef`` > 0), another ``--agg``, or torchrun
+    (global denominators, gradient sync): each is ``ppo.ppo_update``. At the defaults none holds: 1 epoch, 1
+    mini-batch, no KL term, token-mean, plain python. ``--log-kl`` only logs: its reference (``ref_model``, loaded
+    by ``run_rl`` for it) is read for the ``kl`` metric and leaves the update as it is."""
+    if cfg.ppo_epochs > 1 or cfg.ppo_minibatches > 1 or cfg.kl_coef > 0 or cfg.agg != "token-mean" \
             or dist.is_dist():
         return ppo_update(model, ref_model, optimizer, samples, cfg, pad_id)
-    return reinforce_update(model, optimizer, samples, cfg, pad_id)
+    return reinforce_update(model, optimizer, samples, cfg, pad_id, ref_model)
 
 
-def reinforce_update(model, optimizer, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
+def reinforce_update(model, optimizer, samples: list[Sample], cfg: Config, pad_id: int, ref_model=None) -> dict:
     """One optimizer step on the whole batch: on-policy REINFORCE with the group baseline (the advantages A are
     already centred per question). The loss is -(A * log p) summed over the batch's policy tokens and divided by
     their count (the batch's, not each micro-batch's), so micro-batches (``--micro-tokens`` 2048, sorted by length)
@@ -182,14 +181,15 @@ def reinforce_update(model, optimizer, samples: list[Sample], cfg: Config, pad_i
     in eval mode and this in train mode: the same log-probs for a model without dropout (the embedded one, Llama's
     and Qwen's configs at their 0.0 default). The same gradient as PPO's clipped loss at its first step, where
     every ratio is exactly 1 and the clip never acts (``ppo.py``). Skipped, weights untouched, when every advantage
-    is 0 or the loss or gradient norm is not finite."""
+    is 0 or the loss or gradient norm is not finite. ``ref_model`` (``--log-kl``): the k3 KL of the policy tokens
+    to it, before the step, logged as ``kl`` (the same number ppo.py logs); it never enters the loss."""
     if not any(s.adv_t != 0 or any(a != 0 for *_, a in s.mem) for s in samples):
         return {"skipped": "all advantages are zero"}
     n_tokens = max(float(sum(s.n_policy for s in samples)), 1.0)
     micro = micro_batches(samples, cfg.micro_tokens)
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    total, sampled_logp = 0.0, 0.0
+    total, sampled_logp, kl = 0.0, 0.0, 0.0
     for rows in micro:
         batch = collate(rows, pad_id, model.device)
         mask = batch["loss_mask"]                                                              # (B, T)
@@ -200,6 +200,8 @@ def reinforce_update(model, optimizer, samples: list[Sample], cfg: Config, pad_i
         loss.backward()
         total += loss.item()
         sampled_logp += (logp.detach() * mask).sum().item()
+        if ref_model is not None:
+            kl += (k3_kl(ref_model, batch, logp.detach(), cfg) * mask).sum().item()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     if not (math.isfinite(total) and torch.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
@@ -207,7 +209,16 @@ def reinforce_update(model, optimizer, samples: list[Sample], cfg: Config, pad_i
     optimizer.step()
     # entropy: the sampled tokens' mean -log p, at the sampling temperature an estimate of the policy's entropy
     return {"loss": total, "grad_norm": grad_norm.item(), "entropy": -sampled_logp / n_tokens,
-            "padding_waste": padding_waste(micro)}
+            "padding_waste": padding_waste(micro)} | ({"kl": kl / n_tokens} if ref_model is not None else {})
+
+
+def k3_kl(ref_model, batch: dict, logp: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Per-token k3 KL (B, T) of the policy's ``logp`` to ``ref_model`` on ``batch``, as ``grpo.policy_loss`` takes
+    it (``--log-kl``; the caller masks)."""
+    with torch.no_grad(), autocast(cfg.precision, logp.device):
+        ref_logp = token_logprobs(ref_model, batch["ids"], batch["attn"], cfg.temperature)
+    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    return (torch.exp(d) - d - 1).clamp(-10.0, 10.0)
 
 # --------------------------------------------------------------------------- the RL loop
 
@@ -233,6 +244,8 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
             raise SystemExit("--kl-coef > 0 with --fsdp is not supported (the reference model would need its own "
                              "sharding)")
         ref_model = checkpoint.reference_model(model, cfg.run, start)
+    if cfg.keep_checkpoints and start > 0:     # resumed from the step-``start`` checkpoint: its copy, if a kill or
+        checkpoint.keep_step(cfg.run, start)    # a full disk came before it was made
     bar = tqdm(range(start, cfg.rl_steps), desc=f"rl/{cfg.algo}", initial=start, total=cfg.rl_steps,
                disable=dist.DIST.rank > 0)
     for s in bar:
@@ -250,10 +263,8 @@ def run_rl(model, tokenizer, cfg: Config, start: int, optimizer, metrics_path: s
             checkpoint.save_checkpoint(ckpt, model, tokenizer, optimizer,
                                        {"stage": "rl", "step": s + 1, "precision": cfg.precision}, system_prompt,
                                        cfg.probe_think)
-            if cfg.keep_checkpoints and dist.DIST.rank == 0:
-                kept = os.path.join(cfg.run, f"step_{s + 1:04d}")
-                with checkpoint.writing(kept, cfg.run):
-                    shutil.copytree(ckpt, kept, dirs_exist_ok=True, ignore=shutil.ignore_patterns("trainer.pt"))
+            if cfg.keep_checkpoints:
+                checkpoint.keep_step(cfg.run, s + 1)
 
 
 # --------------------------------------------------------------------------- a run
@@ -364,10 +375,8 @@ def main(argv=None) -> None:
     checkpoint.write_config(cfg.run, asdict(cfg))
     agent = agent_config(cfg, prompt)
 
-    mem_advantage = nonzero_memory_advantage if cfg.mem_adv_norm == "nonzero" else memory_advantage
-
     def take_step(model, ref_model, optimizer, s: int) -> dict:      # one MemPO (or GRPO) step on this run's data
-        return rl_step(model, ref_model, tokenizer, optimizer, cfg, s, agent, real_tasks, real_tool, mem_advantage)
+        return rl_step(model, ref_model, tokenizer, optimizer, cfg, s, agent, real_tasks, real_tool)
 
     train_policy(cfg, model, tokenizer, prompt, state, trainer, metrics_path, take_step, trajectories,
                  validate=real_tasks is None)

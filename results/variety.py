@@ -33,7 +33,7 @@ start, steps 0-3 here are RL steps 0-3's own rollouts). Then:
   teaches keeping; near 0: the outcome is blind to `<mem>`, and the gap comes from what co-varies with dropping.
 
     python results/variety.py --checkpoint R/sft_s0/sft --seed 0 --steps 0 1 2 3     # the precondition at step 0
-    python results/variety.py --checkpoint R/mempo_s0/step_0020 --seed 0 --steps 1000 1001 1002 1003   # a curve
+    python results/variety.py --checkpoint R/mempo_s0/step_0020 --seed 0 --steps 10000 10001 10002 10003   # a curve
     python results/variety.py --checkpoint R/sft_s0/sft --seed 0 --temperature 1.0 --restore 4   # the intervention
 
 Prints a table and one JSON line (``variety {...}``) that ``--json FILE`` also writes.
