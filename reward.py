@@ -180,7 +180,7 @@ def answer_template(tokenizer, golds: list[list[str]], think: str = PROBE_THINK)
     WORDS (1, 2, ... in order, whitespace-split, objective by objective; ``template_objectives`` maps
     them back) so that a word split into several BPE pieces is judged as one word; as a boolean it is
     the usual gold mask. The leading space makes the template start a new word after any context.
-    ``think`` = ``probe`` (data.PROBE): the probes' own marker, which the policy learns to answer after
+    ``think`` = ``probe`` (``PROBE_THINK``): the probes' own marker, which the policy learns to answer after
     (SFT probe rows) and never writes itself; ``answer`` is what the expert writes.
     """
     text, spans = f" <think> {think} </think> <answer>", []

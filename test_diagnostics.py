@@ -357,6 +357,33 @@ def test_variety_counts_questions_whose_rollouts_keep_and_drop_and_ranks_their_r
     assert out["retention_by_ago"]["1-1"] == 1.0 and out["drop_rounds"] > 0
 
 
+def test_silence_finds_the_questions_whose_outcome_ties_and_what_the_memory_reward_says_there_by_hand():
+    """results/variety.py's ``silence`` on the same replays: question 0's four rollouts all score 0 (silent: A_T is 0
+    on each) while its memory rewards are +1 on keeping rounds and -1 on dropping ones; question 1's scores differ.
+    Silent 1/2, all-zero 1/2, every silent question still ranked by the memory reward, A_M's keep - drop there
+    2 / std of question 0's pool; question 1's rounds, rewarded 0, do not count as nonzero."""
+    import statistics
+    import sys
+    sys.path.insert(0, "results")
+    from variety import round_flags, silence
+    world, tasks = data.make_tasks(32, 2, [4], (1, 2))
+    tool = SearchTool(world.docs)
+    trajs = [replay(tasks[q], tool, q, forget=q == 0 and g >= 2) for q in range(2) for g in range(4)]
+    flags = {(i, t): f for i, tr in enumerate(trajs) for t, f in round_flags(tr, tasks[tr.group_id]).items()}
+    scored = [(i, t) for i, tr in enumerate(trajs) for t in range(1, len(tr.rounds))]
+    reward = [2.0 * flags[(i, t)] - 1.0 if i < 4 else 0.0 for i, t in scored]       # question 1's probes: silent
+    mem = {"scored": scored, "reward": reward}
+    scores = [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 1.0]
+    out = silence(trajs, tasks, mem, scores)
+    assert (out["silent"], out["silent_zero"], out["silent_mem_ranks"]) == (0.5, 0.5, 1.0)
+    assert out["score"] == 3.5 / 8
+    assert 0 < out["mem_nonzero"] == sum(i < 4 for i, _ in scored) / len(scored) < 1
+    pool = [r for (i, _), r in zip(scored, reward) if i < 4]
+    assert abs(out["keep_minus_drop_adv_silent"] - 2.0 / (statistics.stdev(pool) + 1e-6)) < 1e-9
+    out = silence(trajs, tasks, mem, [0.0, 0.5] + scores[2:])          # question 0 no longer ties
+    assert out["silent"] == 0.0 and out["silent_mem_ranks"] != out["silent_mem_ranks"]    # nan: no silent question
+
+
 class AnswersFrom(ExpertTape):
     """``ExpertTape`` whose tape its prefill writes: `` <think> answer </think> <answer> {reads(prompt text)}
     </answer>``, the answer of what the prompt shows. One prompt a call (the engine drops a finished row from its

@@ -58,9 +58,10 @@ def rl_step(model, ref_model, tokenizer, optimizer, cfg: Config, step: int, agen
         4. the training rows, advantages on them         build_samples
         5. the update                                    update
 
-    Under torchrun (dist.py) the step meets the other ranks at three points: ``dist.my_share`` (each rank rolls out
-    and scores its own questions: a group never spans ranks), ``metrics.rl_metrics`` (the values are gathered) and
-    ``update`` (one update over all ranks)."""
+    ``agent``: the rollouts' settings (``agent_config``: T 0.7, snail, 16 rounds of 96 tokens); ``--viz-every`` is
+    0 (no page) by default. Under torchrun (dist.py) the step meets the other ranks at three points:
+    ``dist.my_share`` (each rank rolls out and scores its own questions: a group never spans ranks),
+    ``metrics.rl_metrics`` (the values are gathered) and ``update`` (one update over all ranks)."""
     logged: dict = {"stage": "rl", "step": step}
     tasks, tool = rl_tasks(cfg, step, real_tasks, real_tool)
     failures = tool.failures
@@ -104,7 +105,7 @@ def rl_tasks(cfg: Config, step: int, real_tasks=None, real_tool=None):
 def sample_rollouts(model, tokenizer, tasks: list, q0: int, cfg: Config, step: int, tool, agent: AgentConfig) -> list:
     """``--group`` (8) sampled rollouts of each of ``tasks``, whose question ids count from q0 (torchrun: this rank's
     share starts there), in eval mode under ``--precision`` (auto: fp32 on CPU, bf16 autocast on CUDA); seeded from
-    (seed, step, q0)."""
+    (``--seed`` 0, step, q0); the sampling settings are ``agent``'s (``agent_config``)."""
     gen = torch.Generator(device=model.device).manual_seed(cfg.seed * 9_000_011 + step + q0 * 10**12)
     model.eval()
     with autocast(cfg.precision, model.device):
@@ -193,7 +194,7 @@ def reinforce_update(model, optimizer, samples: list[Sample], cfg: Config, pad_i
     for rows in micro:
         batch = collate(rows, pad_id, model.device)
         mask = batch["loss_mask"]                                                              # (B, T)
-        adv = token_advantages(batch["adv_t"], batch["mem_adv"], mask, cfg.mem_weight)         # (B, T)
+        adv = token_advantages(batch["adv_t"], batch["mem_adv"], mask, cfg.mem_weight)  # (B, T); --mem-weight 1
         with autocast(cfg.precision, model.device):
             logp = token_logprobs(model, batch["ids"], batch["attn"], cfg.temperature)         # (B, T)
         loss = (-(adv * logp) * mask).sum(-1).sum() / n_tokens
@@ -223,7 +224,9 @@ def k3_kl(ref_model, batch: dict, logp: torch.Tensor, cfg: Config) -> torch.Tens
 # --------------------------------------------------------------------------- the RL loop
 
 def agent_config(cfg: Config, system_prompt: str = data.SYSTEM_PROMPT) -> AgentConfig:
-    """The agent of training rollouts: sampled at ``--temperature``, ``--train-context`` snail | full."""
+    """The agent of training rollouts, at the defaults: sampled at ``--temperature`` 0.7, ``--train-context`` snail,
+    at most ``--max-turns`` 16 rounds of ``--max-new-tokens`` 96 tokens, each question's prompt prefilled once
+    (``--prefix-cache``)."""
     return AgentConfig(system_prompt=system_prompt, context=cfg.train_context, max_turns=cfg.max_turns,
                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, prefix_cache=cfg.prefix_cache)
 

@@ -21,6 +21,12 @@ start, steps 0-3 here are RL steps 0-3's own rollouts). Then:
   (``reward.outcome_reward``, what GRPO's A_T ranks) of its keeping rollouts minus its dropping ones
   (``keep_minus_drop_outcome``). Near 0, the outcome is blind to what `<mem>` drops and only A_M can teach keeping;
   well above 0, GRPO teaches it too.
+* **where the outcome is silent**: the share of questions whose rollouts all score the same (``silent``: GRPO's A_T
+  is 0 on every token of them) and all 0 (``silent_zero``), the mean outcome score, the share of scored rounds
+  whose memory reward is not 0 (``mem_nonzero``: a probe past the log 0.5 cut), and among the silent questions
+  the share whose memory rewards still differ (``silent_mem_ranks``: the memory advantage is the only teacher
+  there) and A_M's keep - drop within them (``keep_minus_drop_adv_silent``). ``--rl-objectives K`` asks the
+  step's questions at that K (the RL run's flag, ``train.rl_tasks``).
 * **whether `<mem>` causes it** (``--restore N``): that gap is a correlation, and a rollout that drops may be worse
   in other ways. Two interventions, each played N times from the same point twice, as written and with each missing
   entity put back (the objective's entry filled through the hop the search found), in the full context:
@@ -35,6 +41,7 @@ start, steps 0-3 here are RL steps 0-3's own rollouts). Then:
     python results/variety.py --checkpoint R/sft_s0/sft --seed 0 --steps 0 1 2 3     # the precondition at step 0
     python results/variety.py --checkpoint R/mempo_s0/step_0020 --seed 0 --steps 10000 10001 10002 10003   # a curve
     python results/variety.py --checkpoint R/sft_s0/sft --seed 0 --temperature 1.0 --restore 4   # the intervention
+    python results/variety.py --checkpoint R/sft_s0/sft --seed 0 --steps 0 1 2 --context snail --rl-objectives 7
 
 Prints a table and one JSON line (``variety {...}``) that ``--json FILE`` also writes.
 """
@@ -129,6 +136,36 @@ def variety(trajs: list, tasks: list, mem: dict, scores: list[float]) -> dict:
     out["retention_3plus"] = ret["retention_3plus"]
     out["retention_by_ago"] = ret["retention_by_ago"]
     return out
+
+
+def silence(trajs: list, tasks: list, mem: dict, scores: list[float]) -> dict:
+    """Where GRPO has nothing: the questions whose rollouts' ``scores`` tie, and what the memory reward ``mem``
+    (``reward.memory_rewards``) still says there (module docstring)."""
+    adv = memory_advantage(torch.tensor(mem["reward"], dtype=torch.float64),
+                           torch.tensor([trajs[i].group_id for i, _ in mem["scored"]])).tolist()
+    rewards: dict[int, list] = {}
+    for (i, t), r, a in zip(mem["scored"], mem["reward"], adv):
+        rewards.setdefault(trajs[i].group_id, []).append(((i, t), r, a))
+    silent, zero, ranks, gaps = 0, 0, 0, []
+    for q in range(len(tasks)):
+        mine = {scores[i] for i, tr in enumerate(trajs) if tr.group_id == q}
+        if len(mine) != 1:
+            continue
+        silent += 1
+        zero += mine == {0.0}
+        pool = rewards.get(q, [])
+        if len({r for _, r, _ in pool}) > 1:
+            ranks += 1
+            flags = {(i, t): f for i, tr in enumerate(trajs) if tr.group_id == q
+                     for t, f in round_flags(tr, tasks[q]).items()}
+            gap = keep_minus_drop({key: a for key, _, a in pool}, flags)
+            if gap is not None:
+                gaps.append(gap)
+    n = len(tasks)
+    return {"silent": silent / n, "silent_zero": zero / n, "score": statistics.fmean(scores),
+            "mem_nonzero": sum(r != 0 for r in mem["reward"]) / len(mem["reward"]) if mem["reward"] else float("nan"),
+            "silent_mem_ranks": ranks / silent if silent else float("nan"),
+            "keep_minus_drop_adv_silent": statistics.fmean(gaps) if gaps else float("nan")}
 
 
 def filled_path(obj, hop: int) -> list[str]:
@@ -253,6 +290,7 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--questions", type=int, default=16, help="questions a step")
     p.add_argument("--group", type=int, default=8, help="rollouts a question")
+    p.add_argument("--rl-objectives", default="1-4", help="objective counts K of the steps' questions (train.py's)")
     p.add_argument("--restore", type=int, default=0, help="answer rounds re-sampled per arm (0: no intervention)")
     p.add_argument("--json", default="", help="also write the JSON line here")
     a = p.parse_args(argv)
@@ -260,7 +298,7 @@ def main(argv=None) -> None:
     model, tokenizer, prompt = evaluation.load(a.checkpoint, device)
     think = checkpoint.trained_probe_think(evaluation.checkpoint_dir(a.checkpoint))
     cfg = train.Config(seed=a.seed, train_context=a.context, temperature=a.temperature, questions=a.questions,
-                       group=a.group, probe_think=think)
+                       group=a.group, probe_think=think, rl_objectives=a.rl_objectives)
     agent = train.agent_config(cfg, prompt)
     trajs, tasks, tools, t0 = [], [], [], time.time()
     for step in a.steps:
@@ -276,7 +314,8 @@ def main(argv=None) -> None:
                              think=cfg.probe_think)
     scores = [outcome_reward(t)["score"] for t in trajs]
     out = {"checkpoint": a.checkpoint, "seed": a.seed, "steps": a.steps, "context": a.context,
-           "temperature": a.temperature} | variety(trajs, tasks, mem, scores)
+           "temperature": a.temperature, "rl_objectives": a.rl_objectives} | variety(trajs, tasks, mem, scores) \
+        | silence(trajs, tasks, mem, scores)
     keys: list[str] = []
     if a.restore:
         gen = torch.Generator(device=model.device).manual_seed(a.seed)
@@ -293,7 +332,8 @@ def main(argv=None) -> None:
     for key in ("questions", "rollouts", "measured", "varies", "varies_3plus", "varies_rounds",
                 "varies_rounds_3plus", "drop_rounds", "early", "p_mem", "p_full", "p_mem_std",
                 "keep_minus_drop_p_mem", "keep_minus_drop_reward", "keep_minus_drop_adv", "keep_minus_drop_adv_3plus",
-                "keep_minus_drop_outcome", "keep_minus_drop_outcome_3plus", "retention_3plus", *keys):
+                "keep_minus_drop_outcome", "keep_minus_drop_outcome_3plus", "retention_3plus", "silent", "silent_zero",
+                "score", "mem_nonzero", "silent_mem_ranks", "keep_minus_drop_adv_silent", *keys):
         v = out[key]
         print(f"{key:28s} {v:.3f}" if isinstance(v, float) else f"{key:28s} {v}")
     print("retention by rounds ago      " + "  ".join(f"{k}: {v:.3f}" for k, v in out["retention_by_ago"].items()))
