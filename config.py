@@ -155,8 +155,9 @@ class Config:
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
     forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw", min=0, max=1)
     # the paper trains RL in the full context and evaluates in the snail shell: its cold start must play both
-    sft_full_share: float = flag(0.0, "share of the expert's SFT episodes rendered in the full context, the rest in "
-                                      "the snail shell (--train-context full: all of them)", min=0, max=1)
+    sft_full_share: float = flag(0.0, "share of the SFT episodes (the expert's, or --sft-data's trajectories) "
+                                      "rendered in the full context, a draw per episode, the rest in the snail shell "
+                                      "(--train-context full: all of them)", min=0, max=1)
     # the forgetting expert answers from its <mem> by default, in the full context too, so that context's outcome
     # pays for what <mem> keeps; "context" makes it answer what the full context shows, blind to what <mem> drops
     sft_full_answers: str = flag("mem", "what the forgetting expert answers in a full-context episode: mem (what its "
