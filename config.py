@@ -106,6 +106,12 @@ class Config:
     lora_alpha: int = flag(32, "LoRA alpha: the adapters' update is scaled by alpha / rank", min=1)
     lora_targets: str = flag(LORA_TARGETS, "comma-separated module names that get adapters (default: every attention"
                                            " and MLP projection of Llama / Qwen2 / Qwen3)")
+    # activation memory grows with a row's length times the model's depth: a 0.5B-7B model's full-context rows of
+    # thousands of tokens outgrow one card's memory before its weights and optimizer do
+    gradient_checkpointing: bool = flag(False, "recompute each decoder layer's activations in the backward pass of "
+                                               "the SFT and RL updates instead of keeping them: trades compute "
+                                               "(about one more forward) for activation memory, what a 0.5B-7B model "
+                                               "on one card needs for long rows; generation is unchanged")
     fsdp: bool = flag(False, "torchrun only: shard the model with FSDP2 (each decoder layer, then the root) instead "
                              "of DDP")
     dist_timeout: int = flag(1800, "torchrun only: seconds a collective waits for the other ranks before the run "

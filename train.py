@@ -275,7 +275,8 @@ def load_data(cfg: Config):
 
 def load_policy(cfg: Config, device: torch.device):
     """(model, tokenizer, system prompt, state, trainer): RUN/ckpt on ``--resume`` (``checkpoint.resume``),
-    else ``--model``, else the tiny embedded model; ``state`` = where the run starts (stage, step)."""
+    else ``--model``, else the tiny embedded model, its layers checkpointed with ``--gradient-checkpointing`` (every
+    recipe that loads its policy here); ``state`` = where the run starts (stage, step)."""
     start = cfg.stage if cfg.stage != "auto" else "sft" if cfg.sft_data or not cfg.model else "rl"
     state, ckpt = {"stage": start, "step": 0}, os.path.join(cfg.run, "ckpt")    # auto: --model skips SFT
     trainer = checkpoint.resume(cfg.run) if cfg.resume else None
@@ -303,6 +304,8 @@ def load_policy(cfg: Config, device: torch.device):
             prompt = f.read().strip()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if cfg.gradient_checkpointing:      # acts in train mode only: generation and no-grad scoring run as before
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     cfg.probe_think = resolve_probe_think(cfg, state["stage"], ckpt if trainer is not None else cfg.model)
     return model, tokenizer, prompt, state, trainer
 
