@@ -92,6 +92,11 @@ class Config:
     prefix_cache: bool = flag(True, "prefill each question's system prompt + question once per step and reuse its KV"
                                     " cache in every round and rollout (--no-prefix-cache: every round prefills its "
                                     "whole prompt)")
+    # TRL's generation_batch_size: questions x group rows a round on one card can outgrow its memory for the KV cache
+    generation_batch: int = flag(0, "rows a rollout round generates at once: its questions x group rows in chunks of "
+                                    "at most N, bounding generation's memory (0 = all in one batch). Greedy rollouts "
+                                    "are the same at any N; sampled ones draw from the same seeded generator in "
+                                    "another order (another sample, the same again at the same N)", min=0)
     probe_think: str = flag("auto", "think word of the memory reward's answer template: auto = the probe marker "
                                     "where SFT probe rows teach it (this run's SFT, the embedded model), else the one "
                                     "the checkpoint learnt (its probe_think.txt), else 'answer' (no marker)")

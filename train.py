@@ -214,7 +214,8 @@ def reinforce_update(model, optimizer, samples: list[Sample], cfg: Config, pad_i
 def agent_config(cfg: Config, system_prompt: str = data.SYSTEM_PROMPT) -> AgentConfig:
     """The agent of training rollouts: sampled at ``--temperature``, ``--train-context`` snail | full."""
     return AgentConfig(system_prompt=system_prompt, context=cfg.train_context, max_turns=cfg.max_turns,
-                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, prefix_cache=cfg.prefix_cache)
+                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, prefix_cache=cfg.prefix_cache,
+                       generation_batch=cfg.generation_batch)
 
 
 SECONDS = ("sec_rollout", "sec_reward", "sec_update")
