@@ -157,11 +157,11 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: Retriever, cfg
     """Run ``group_size`` trajectories per task through the multi-turn loop; returns them in task order.
 
     Each round generates its live rows in chunks of at most ``cfg.generation_batch`` (0: all in one batch), which
-    bounds generation's KV cache and logits by the chunk. Greedy rollouts are the same at any chunk size (up to float
-    summation order, as the prefix cache). Sampled ones are not: ``engine.generate`` draws one uniform per row in the
-    batch at each step from ``generator``, and which row gets which draw depends on every row of the batch (when
-    finished rows leave it), so no sequence of chunks can reproduce one batch's draws; the same generator, seeded
-    as before, gives another sample of the same policy, the same again at the same chunk size."""
+    bounds generation's KV cache and logits by the chunk. Greedy rollouts are the same at any chunk size (up to
+    float summation order, as with the prefix cache). Sampled ones are not: ``engine.generate`` draws one uniform per
+    row in the batch at each step from ``generator``, and which row gets which draw depends on every row of the batch
+    (when finished rows leave it), so no sequence of chunks can reproduce one batch's draws; the same generator,
+    seeded as before, gives another sample of the same policy, the same again at the same chunk size."""
     keep_rounds = None if cfg.context == "full" else cfg.keep_rounds
     forced_mem = tokenizer.encode("<mem>", add_special_tokens=False) if cfg.mem_prefix else []
     stops = stop_strings(tokenizer, STOP_STRINGS)
