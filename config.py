@@ -93,6 +93,11 @@ class Config:
     prefix_cache: bool = flag(True, "prefill each question's system prompt + question once per step and reuse its KV"
                                     " cache in every round and rollout (--no-prefix-cache: every round prefills its "
                                     "whole prompt)")
+    # TRL's generation_batch_size: questions x group rows a round on one card can outgrow its memory for the KV cache
+    generation_batch: int = flag(0, "rows a rollout round generates at once: its questions x group rows in chunks of "
+                                    "at most N, bounding generation's memory (0 = all in one batch). Greedy rollouts "
+                                    "are the same at any N; sampled ones draw from the same seeded generator in "
+                                    "another order (another sample, the same again at the same N)", min=0)
     probe_think: str = flag("auto", "think word of the memory reward's answer template: auto = the probe marker "
                                     "where SFT probe rows teach it (this run's SFT, the embedded model), else the one "
                                     "the checkpoint learnt (its probe_think.txt), else 'answer' (no marker)")
@@ -107,6 +112,12 @@ class Config:
     lora_alpha: int = flag(32, "LoRA alpha: the adapters' update is scaled by alpha / rank", min=1)
     lora_targets: str = flag(LORA_TARGETS, "comma-separated module names that get adapters (default: every attention"
                                            " and MLP projection of Llama / Qwen2 / Qwen3)")
+    # activation memory grows with a row's length times the model's depth: a 0.5B-7B model's full-context rows of
+    # thousands of tokens outgrow one card's memory before its weights and optimizer do
+    gradient_checkpointing: bool = flag(False, "recompute each decoder layer's activations in the backward pass of "
+                                               "the SFT and RL updates instead of keeping them: trades compute "
+                                               "(about one more forward) for activation memory, what a 0.5B-7B model "
+                                               "on one card needs for long rows; generation is unchanged")
     fsdp: bool = flag(False, "torchrun only: shard the model with FSDP2 (each decoder layer, then the root) instead "
                              "of DDP")
     dist_timeout: int = flag(1800, "torchrun only: seconds a collective waits for the other ranks before the run "
@@ -156,8 +167,9 @@ class Config:
     # fraction of expert episodes whose <mem> forgets earlier objectives (0.25 beat 0.5: results/STUDIES.md)
     forget_p: float = flag(0.25, "fraction of expert episodes with the forgetting flaw", min=0, max=1)
     # the paper trains RL in the full context and evaluates in the snail shell: its cold start must play both
-    sft_full_share: float = flag(0.0, "share of the expert's SFT episodes rendered in the full context, the rest in "
-                                      "the snail shell (--train-context full: all of them)", min=0, max=1)
+    sft_full_share: float = flag(0.0, "share of the SFT episodes (the expert's, or --sft-data's trajectories) "
+                                      "rendered in the full context, a draw per episode, the rest in the snail shell "
+                                      "(--train-context full: all of them)", min=0, max=1)
     # the forgetting expert answers from its <mem> by default, in the full context too, so that context's outcome
     # pays for what <mem> keeps; "context" makes it answer what the full context shows, blind to what <mem> drops
     sft_full_answers: str = flag("mem", "what the forgetting expert answers in a full-context episode: mem (what its "

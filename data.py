@@ -476,7 +476,7 @@ def load_qa(path: str) -> list[Task]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+            raise DataError(f"{path}: reading parquet needs pyarrow: pip install pyarrow") from None
         rows = list(enumerate(pq.read_table(path).to_pylist(), 1))
     else:
         rows = read_jsonl(path)

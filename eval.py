@@ -61,6 +61,19 @@ def run_context(context: str | None, checkpoint: str) -> str:
     return context or run_config(checkpoint).get("train_context", "snail")
 
 
+# a floor, not only a default: held-out questions of more objectives than training's write longer rounds (the
+# embedded expert's round at K = 10 is 111 tokens, its run trains at 96)
+MAX_NEW_TOKENS = 128
+
+
+def run_max_new_tokens(max_new_tokens: int | None, checkpoint: str) -> int:
+    """``--max-new-tokens`` if given, else the run's own ``max_new_tokens`` (RUN/config.json), at least 128: a run
+    that trained at 512 tokens a round is not cut at 128; a checkpoint without a run config gets 128."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    return max(MAX_NEW_TOKENS, int(run_config(checkpoint).get("max_new_tokens", 0)))
+
+
 def summarize(trajs: list) -> dict:
     """Mean F1, EM, score, format-valid rate, TT, PT and turns over trajectories, and the early-answer share
     (``data.early_answer``: answered after fewer searches than the question's hops; embedded world only)."""
@@ -211,12 +224,13 @@ def load(path: str, device):
 
 
 def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, context: str | None,
-            max_turns: int, hops: tuple[int, int], device) -> dict:
+            max_turns: int, hops: tuple[int, int], device, max_new_tokens: int | None = None) -> dict:
     """Per variant (a list of runs, one per seed) and K: mean and 95% interval of each metric, and each run's F1
     (``f1_runs``, in the order given: a gap between two variants trained from the same starts can be paired).
 
     Each run plays in ``context``, or when None in the context it trained in (``run_context``), so a
-    memory agent and a full-context agent share one table.
+    memory agent and a full-context agent share one table; ``max_new_tokens`` None: each run's own
+    (``run_max_new_tokens``).
 
     Besides the outcome metrics it keeps each run's memory retention by rounds-ago (pooled over K),
     so a variant that forgets shows it here and in the plot of ``plot_compare``.
@@ -227,7 +241,8 @@ def compare(variants: dict[str, list[str]], ks: list[int], n: int, split: str, c
         per_run = []
         for run in runs:
             model, tok, prompt = load(run, device)
-            agent = greedy_agent(run_context(context, run), max_turns, system_prompt=prompt)
+            agent = greedy_agent(run_context(context, run), max_turns, run_max_new_tokens(max_new_tokens, run),
+                                 system_prompt=prompt)
             res, trajs_all, tasks_all = {}, [], []
             for k in ks:
                 tasks, tool = embedded_tasks(k, n, 0, split, hops)
@@ -359,7 +374,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="context mode (default: snail, as the paper evaluates however the agent trained; with "
                         "--compare each run's training context, so a full-context baseline plays as one)")
     p.add_argument("--max-turns", type=Accepts(int, min=1), default=64, help="max rounds per episode")
-    p.add_argument("--max-new-tokens", type=Accepts(int, min=1), default=128, help="max tokens per round")
+    p.add_argument("--max-new-tokens", type=Accepts(int, min=1), default=None,
+                   help=f"max tokens per round (default: the run's own --max-new-tokens from its config.json, at "
+                        f"least {MAX_NEW_TOKENS}; {MAX_NEW_TOKENS} for a model from elsewhere)")
     p.add_argument("--tasks", type=Accepts(int, min=1), default=64, help="questions per K (embedded world)")
     p.add_argument("--split", default="test", type=Accepts(str, choices=tuple(SPLIT_SEEDS)),
                    help="held-out world seeds")
@@ -389,6 +406,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for run in runs:                 # a missing folder would reach the model hub as a model name
         if not os.path.isdir(run) and gguf_file(run) is None:
             p.error(f"checkpoint folder {run} does not exist")
+    if not args.compare:                     # --compare: each run's own, in compare
+        args.max_new_tokens = run_max_new_tokens(args.max_new_tokens, args.checkpoint)
     return args
 
 
@@ -399,7 +418,7 @@ def compare_runs(args, hops: tuple[int, int], device) -> None:
         if os.path.isdir(run) and not is_model_dir(checkpoint_dir(run)):     # before an hour of episodes, not after
             raise SystemExit(f"--compare: {run} holds no model checkpoint (a run still training has no final/)")
     res = compare({k: v.split(",") for k, v in variants.items()}, args.objectives, args.tasks, args.split,
-                  args.context, args.max_turns, hops, device)
+                  args.context, args.max_turns, hops, device, args.max_new_tokens)
     tokenizer = load(next(iter(variants.values())).split(",")[0], device)[1]
     pt = expert_peak_tokens(tokenizer, args.objectives, args.tasks, args.split, hops)
     print("\nthe expert's peak tokens of a round (no model): " + "   ".join(
@@ -430,8 +449,10 @@ def report_table(model, tokenizer, prompt: str, args, hops: tuple[int, int]) -> 
         results = evaluate_embedded(model, tokenizer, args.objectives, args.tasks, args.seed, args.split,
                                     args.context, args.max_turns, hops, args.max_new_tokens, progress=True,
                                     system_prompt=prompt, temperature=args.temperature)
-    print_table(results, f"{args.checkpoint}  context={args.context}  max_turns={args.max_turns}")
+    print_table(results, f"{args.checkpoint}  context={args.context}  max_turns={args.max_turns}  "
+                         f"max_new_tokens={args.max_new_tokens}")
     out = {"checkpoint": args.checkpoint, "context": args.context, "max_turns": args.max_turns,
+           "max_new_tokens": args.max_new_tokens,
            "results": {str(k): v for k, v in results.items()}, "search_failures": failures}
     print(json.dumps(out))
 

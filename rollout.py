@@ -120,6 +120,7 @@ class AgentConfig:
     mem_prefix: bool = True      # force "<mem>" at the start of every round after the first
     webpage_chars: int = 100
     prefix_cache: bool = True    # prefill system + question once per question (PrefixCache); False: every round in full
+    generation_batch: int = 0    # rows generated at once, each round in chunks of at most this many; 0: one batch
 
 
 def question_prefix(tokenizer, system_prompt: str, question: str) -> list[int]:
@@ -153,7 +154,14 @@ def parse_action(text: str) -> tuple[str | None, str]:
 
 def rollout(model, tokenizer, tasks: list, group_size: int, tool: Retriever, cfg: AgentConfig,
             generator: torch.Generator | None = None) -> list[Trajectory]:
-    """Run ``group_size`` trajectories per task through the multi-turn loop; returns them in task order."""
+    """Run ``group_size`` trajectories per task through the multi-turn loop; returns them in task order.
+
+    Each round generates its live rows in chunks of at most ``cfg.generation_batch`` (0: all in one batch), which
+    bounds generation's KV cache and logits by the chunk. Greedy rollouts are the same at any chunk size (up to
+    float summation order, as with the prefix cache). Sampled ones are not: ``engine.generate`` draws one uniform per
+    row in the batch at each step from ``generator``, and which row gets which draw depends on every row of the batch
+    (when finished rows leave it), so no sequence of chunks can reproduce one batch's draws; the same generator,
+    seeded as before, gives another sample of the same policy, the same again at the same chunk size."""
     keep_rounds = None if cfg.context == "full" else cfg.keep_rounds
     forced_mem = tokenizer.encode("<mem>", add_special_tokens=False) if cfg.mem_prefix else []
     stops = stop_strings(tokenizer, STOP_STRINGS)
@@ -177,9 +185,11 @@ def rollout(model, tokenizer, tasks: list, group_size: int, tool: Retriever, cfg
             ctx = encode_chat(tokenizer, prepare_prompt(t.records, cfg.system_prompt, keep_rounds))
             contexts.append(ctx)
             forced.append(forced_mem if turn > 0 else [])
-        outs = generate(model, [c + p for c, p in zip(contexts, forced)], cfg.max_new_tokens,
-                        pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, stops=stops,
-                        temperature=cfg.temperature, top_p=cfg.top_p, generator=generator, prefix_cache=question_cache)
+        prompts, n = [c + p for c, p in zip(contexts, forced)], cfg.generation_batch or len(contexts)
+        outs = [out for i in range(0, len(prompts), n)              # chunks of at most n rows, in order
+                for out in generate(model, prompts[i:i + n], cfg.max_new_tokens, pad_id=tokenizer.pad_token_id,
+                                    eos_id=tokenizer.eos_token_id, stops=stops, temperature=cfg.temperature,
+                                    top_p=cfg.top_p, generator=generator, prefix_cache=question_cache)]
         searching, queries = [], []
         for t, ctx, pre, out in zip(live, contexts, forced, outs):
             text = cut_at_stop(tokenizer.decode(pre + out))     # ids stay exactly as sampled

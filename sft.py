@@ -15,8 +15,9 @@ checkpoints). MemPO's cold start (``cold_start``) feeds it:
   marker without loss (reward.py, choice 1); with ``--sft-copy-mix``, copy rows of ``--sft-copy-objectives``
   too (the first round of questions longer than the expert's, which otherwise garbles past its largest K);
 * or, with ``--sft-data``, ``file_batch``: rounds of a chat-format trajectory file, rendered with the run's
-  system prompt, and probe rows of its rounds (``file_probe_samples``: the answers a context or a ``<mem>``
-  holds are read off its text), so the memory reward's probes are in distribution on this path too.
+  system prompt in the context ``--sft-full-share`` draws per trajectory, and probe rows of its rounds
+  (``file_probe_samples``: the answers a context or a ``<mem>`` holds are read off its text), so the memory
+  reward's probes are in distribution on this path too.
 
 Every row is rendered exactly as the agent loop renders the round (``episode_samples``: snail or full context, the
 forced ``<mem>`` prefix without loss on every round after the first). The lr warms up linearly, then follows a
@@ -199,18 +200,21 @@ def file_probe_samples(tokenizer, trajectory: dict, rng: random.Random, p: float
 
 def file_batch(tokenizer, cfg, step: int, trajectories: list[dict], system_prompt: str) -> list[Sample]:
     """A batch of ``cfg.sft_batch`` rounds from a chat-format trajectory file (``--sft-data``): 4 rounds an episode,
-    plus their probe rows (``file_probe_samples``, ``--sft-probe``) on top, drawn apart so the rounds stay the same."""
+    each trajectory in the context ``episode_context`` draws for it (``--sft-full-share``, as the expert's), plus
+    its probe rows in that context (``file_probe_samples``, ``--sft-probe``) on top, drawn apart so the rounds stay
+    the same."""
     rng, probe_rng = random.Random(cfg.seed * 1_000_003 + step), random.Random(cfg.seed * 7_000_003 + step)
     out: list[Sample] = []
     probes: list[Sample] = []
     while len(out) < cfg.sft_batch:
         tr = rng.choice(trajectories)
         picked = set(rng.sample(range(len(tr["rounds"])), min(len(tr["rounds"]), 4)))
+        context = episode_context(cfg, rng)
         out += episode_samples(tokenizer, tr["question"], tr["rounds"], system_prompt, picked_rounds=picked,
-                               context=cfg.train_context)
+                               context=context)
         if cfg.sft_probe > 0:
             probes += file_probe_samples(tokenizer, tr, probe_rng, cfg.sft_probe, system_prompt, picked,
-                                         cfg.train_context, taught_marker(cfg))
+                                         context, taught_marker(cfg))
     return out[: cfg.sft_batch] + probes
 
 
@@ -277,9 +281,9 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
 
 
 def episode_context(cfg, rng: random.Random) -> str:
-    """The context one expert episode's rows are rendered in: ``full`` for ``--train-context full``, else ``full``
-    with probability ``--sft-full-share`` (a cold start that plays both contexts), else ``snail``. No draw at a
-    share of 0 or 1, so those batches are the ones a single context gives."""
+    """The context one episode's rows are rendered in (the expert's, or a ``--sft-data`` trajectory's): ``full``
+    for ``--train-context full``, else ``full`` with probability ``--sft-full-share`` (a cold start that plays both
+    contexts), else ``snail``. No draw at a share of 0 or 1, so those batches are the ones a single context gives."""
     if cfg.train_context == "full" or cfg.sft_full_share >= 1:
         return "full"
     return "full" if cfg.sft_full_share > 0 and rng.random() < cfg.sft_full_share else "snail"

@@ -101,6 +101,21 @@ def test_malformed_qa_names_file_and_line(tmp_path, text, where):
     assert str(p) in str(e.value) and where in str(e.value)
 
 
+def test_a_parquet_file_without_pyarrow_is_one_line(tmp_path, monkeypatch, capsys):
+    """pyarrow is optional (requirements.txt): without it, train.py on a parquet QA file stops with one line
+    saying what to install, exit status 2, before any model loads."""
+    import sys
+    import train
+    monkeypatch.setitem(sys.modules, "pyarrow", None)                # absent, whether installed here or not
+    qa = tmp_path / "qa.parquet"
+    qa.write_bytes(b"PAR1")
+    with pytest.raises(SystemExit) as e:
+        data.exit_on_bad_input(lambda: train.main(["--run", str(tmp_path / "run"), "--data", str(qa),
+                                                   "--corpus", str(tmp_path / "c.jsonl")]))
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: {qa}: reading parquet needs pyarrow: pip install pyarrow\n"
+
+
 def test_missing_and_malformed_corpus(tmp_path):
     with pytest.raises(data.DataError, match="not found"):
         data.load_corpus(str(tmp_path / "nope.jsonl"))

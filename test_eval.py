@@ -1,6 +1,8 @@
 """Evaluation: the metrics, mean_ci, --compare over seeds, the run's reward config."""
 import json
 
+import torch
+
 import data
 from eval import mean_ci, memory_retention, summarize
 from rollout import AgentConfig
@@ -169,6 +171,35 @@ def test_a_run_trained_in_full_context_is_evaluated_in_snail_unless_asked(tmp_pa
         ev.main(quick + extra)
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["context"] == context
     assert ev.run_context(None, str(run)) == "full"                      # --compare: each run as it trained
+
+
+def test_the_round_budget_is_the_runs_own_unless_told(tmp_path, capsys):
+    """A run saved at --max-new-tokens 300 is evaluated at 300 tokens a round (its untrained policy writes to the
+    budget: a longer peak round than at 128), --max-new-tokens wins; a run at 96 (the default) gets the floor 128,
+    a model folder without a run config 128; --compare plays each run at its own."""
+    import eval as ev
+    import train
+    tiny = ["--sft-steps", "0", "--rl-steps", "0", "--hidden", "32", "--layers", "1", "--heads", "2", "--ffn", "64"]
+    train.main(["--run", str(tmp_path / "long"), "--max-new-tokens", "300"] + tiny)
+    train.main(["--run", str(tmp_path / "short")] + tiny)
+    quick = ["--checkpoint", str(tmp_path / "long"), "--objectives", "1", "--tasks", "1", "--max-turns", "1"]
+
+    def result(extra):
+        capsys.readouterr()
+        ev.main(quick + extra)
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    own, told = result([]), result(["--max-new-tokens", "128"])
+    assert (own["max_new_tokens"], told["max_new_tokens"]) == (300, 128)
+    assert own["results"]["1"]["pt"] > told["results"]["1"]["pt"]            # the budget reached the agent
+    assert ev.parse_args(["--checkpoint", str(tmp_path / "short")]).max_new_tokens == 128
+    model_dir = data.save_random_checkpoint(str(tmp_path / "elsewhere"))
+    assert ev.parse_args(["--checkpoint", model_dir]).max_new_tokens == 128
+    assert ev.run_max_new_tokens(None, str(tmp_path / "long" / "final")) == 300
+    assert ev.run_max_new_tokens(7, str(tmp_path / "long")) == 7
+    res = ev.compare({"long": [str(tmp_path / "long")], "short": [str(tmp_path / "short")]}, [1], 1, "test", None, 1,
+                     (1, 3), torch.device("cpu"))                            # the same weights (seed 0), two budgets
+    peak = lambda r: r["results"]["1"]["pt"]
+    assert (res["long"][1]["pt"][0], res["short"][1]["pt"][0]) == (peak(own), peak(told))
 
 
 def test_an_episode_that_never_answers_is_cut_at_the_turn_cap_and_scored_invalid():

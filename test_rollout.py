@@ -2,6 +2,7 @@
 templates that rewrite earlier turns (the engine's own tests: test_engine.py)."""
 import pytest
 import torch
+from transformers import StaticCache
 
 import data
 import grpo
@@ -251,6 +252,32 @@ def test_prefix_cache_equals_plain_prefill_and_prefills_each_question_once(tiny)
     out = [r.output_ids for t in off for r in t.rounds]
     assert len({tuple(o[:3]) for o in out}) >= 4                 # the model's own tokens differ by context
     check_prefix_cache(model, tok, data.SYSTEM_PROMPT, 1.0)      # sampled: rollouts of a question differ
+
+
+def test_generation_in_chunks_writes_the_one_batch_rollouts(tiny):
+    """generation_batch 3: each round's 8 rows (4 questions x 2) generate in chunks of at most 3 rows (the widest
+    forward: 3 rows, 8 in one batch), and the greedy multi-round trajectories are those of one batch."""
+    tok, inner = tiny
+    model = searching_agent(tok, inner)
+    w, tasks = data.make_tasks(5, 4, [1, 2, 3])
+    runs, widths = {}, {}
+    for n in (0, 3):
+        cfg = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=4, max_new_tokens=24, temperature=0.0,
+                          generation_batch=n)
+        rows = []
+
+        def width(module, args, kw, rows=rows):     # generate's forwards (a static cache; the prefix store's: dynamic)
+            if isinstance(kw["past_key_values"], StaticCache):
+                rows.append(kw["input_ids"].shape[0])
+        h = model.register_forward_pre_hook(width, with_kwargs=True)
+        runs[n] = rollout(model, tok, tasks, 2, SearchTool(w.docs), cfg)
+        h.remove()
+        widths[n] = max(rows)
+    assert widths == {0: 8, 3: 3}
+    assert max(len(t.rounds) for t in runs[0]) == 4                                         # multi-round
+    for part in ("context_ids", "prefix_ids", "output_ids"):
+        assert [[getattr(r, part) for r in t.rounds] for t in runs[3]] == \
+            [[getattr(r, part) for r in t.rounds] for t in runs[0]]
 
 
 def test_prefix_cache_on_a_bpe_qwen2_with_the_protocol_prompt(tmp_path):

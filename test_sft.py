@@ -97,6 +97,32 @@ def test_sft_full_share_renders_that_share_of_episodes_in_the_full_context():
     assert max(r.ids[:r.n_prompt].count(info) for r in snail) == 1
 
 
+def test_sft_full_share_renders_that_share_of_file_trajectories_in_the_full_context(tmp_path):
+    """--sft-data rows follow --sft-full-share as the expert's do: at 0.5 some rows see two or more earlier tool
+    results (full context) and others exactly one at a round >= 2 (the snail shell); at 1 every probe row of a
+    round context sees its trajectory's whole history too; at 0 the batch is the snail rendering of the same draws,
+    row for row (no extra draw)."""
+    tok = data.build_tokenizer()
+    info = tok.convert_tokens_to_ids("<information>")
+    path = sft.export(str(tmp_path), ks=(1,), n=2, episodes=32)[-1]
+    trajs = data.load_trajectories(path)
+    base = ["--sft-data", path, "--sft-batch", "64"]
+
+    def batch(extra, step=3):
+        return sft.file_batch(tok, train.parse_args(base + extra), step, trajs, data.SYSTEM_PROMPT)
+    n_info = [r.ids[:r.n_prompt].count(info) for r in batch(["--sft-full-share", "0.5", "--sft-probe", "0"])]
+    assert sum(n >= 2 for n in n_info) >= 8 and n_info.count(1) >= 8
+    probes = batch(["--sft-full-share", "1", "--sft-probe", "1"])[64:]
+    assert max(r.ids[:r.n_prompt].count(info) for r in probes) >= 2
+    rng, expected = random.Random(0 * 1_000_003 + 3), []      # file_batch's own draws: --seed 0, step 3
+    while len(expected) < 64:
+        tr = rng.choice(trajs)
+        picked = set(rng.sample(range(len(tr["rounds"])), min(len(tr["rounds"]), 4)))
+        expected += sft.episode_samples(tok, tr["question"], tr["rounds"], data.SYSTEM_PROMPT, picked_rounds=picked)
+    assert [r.ids for r in batch(["--sft-probe", "0"])] == [r.ids for r in expected[:64]]
+    assert max(r.ids[:r.n_prompt].count(info) for r in expected) == 1
+
+
 def test_sft_full_answers_context_makes_the_forgetting_expert_answer_what_the_full_context_shows():
     """K = 2, every episode forgets (objective 1's entry is dropped once objective 2 finishes). By default its answer
     round says ``unknown`` for objective 1 in both contexts; with ``--sft-full-answers context`` the full-context

@@ -285,3 +285,39 @@ def test_log_kl_leaves_the_default_update_as_it_is_and_logs_ppos_kl():
     assert set(logged) == set(base) | {"kl"} and logged["loss"] == base["loss"]
     via_ppo = ppo.ppo_update(twin, ref, opt(twin), hand_built_samples(), cfg, tok.pad_token_id)
     assert logged["kl"] > 0 and logged["kl"] == pytest.approx(via_ppo["kl"], rel=1e-5)
+
+
+def test_gradient_checkpointing_recomputes_each_layer_in_the_backward_and_gives_the_same_gradients(tmp_path):
+    """--gradient-checkpointing (train.load_policy): the policy's decoder layers run again in the backward pass (a
+    layer's MLP runs twice per SFT or RL loss, once without the flag), the gradients of both losses
+    are those without it, and generation (eval mode, no grad) writes the same rollouts."""
+    import sft
+    from rollout import AgentConfig, rollout
+    from search import SearchTool
+    tiny = ["--hidden", "32", "--layers", "2", "--heads", "2", "--ffn", "64", "--run", str(tmp_path)]
+    models = {}
+    for on in (False, True):
+        cfg = train.parse_args(tiny + (["--gradient-checkpointing"] if on else []))
+        models[on] = train.load_policy(cfg, torch.device("cpu"))[0]
+        assert models[on].is_activation_checkpointing == on
+    tok = data.build_tokenizer()
+    batch = grpo.collate(hand_built_samples(), tok.pad_token_id, torch.device("cpu"))
+    losses = {"sft": lambda m: sft.sft_loss(m, batch, 40.0),
+              "rl": lambda m: -(grpo.token_logprobs(m, batch["ids"], batch["attn"], 0.7) * batch["loss_mask"]).sum()}
+    for name, loss in losses.items():
+        grads, calls = {}, {}
+        for on, model in models.items():
+            model.train().zero_grad()
+            calls[on] = 0
+            mlp = model.model.layers[0].mlp
+            mlp.forward = lambda x, mlp=mlp, on=on: calls.__setitem__(on, calls[on] + 1) or type(mlp).forward(mlp, x)
+            loss(model).backward()
+            del mlp.forward
+            grads[on] = [p.grad.clone() for p in model.parameters()]
+        assert calls == {False: 1, True: 2}, name
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True])), name
+    world, tasks = data.make_tasks(3, 4, [2], (1, 2))
+    agent = AgentConfig(system_prompt=data.SYSTEM_PROMPT, max_turns=2, max_new_tokens=12, temperature=0.0)
+    texts = {on: [[r.text for r in t.rounds] for t in rollout(m.eval(), tok, tasks, 2, SearchTool(world.docs), agent)]
+             for on, m in models.items()}
+    assert texts[True] == texts[False]

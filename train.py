@@ -226,9 +226,10 @@ def k3_kl(ref_model, batch: dict, logp: torch.Tensor, cfg: Config) -> torch.Tens
 def agent_config(cfg: Config, system_prompt: str = data.SYSTEM_PROMPT) -> AgentConfig:
     """The agent of training rollouts, at the defaults: sampled at ``--temperature`` 0.7, ``--train-context`` snail,
     at most ``--max-turns`` 16 rounds of ``--max-new-tokens`` 96 tokens, each question's prompt prefilled once
-    (``--prefix-cache``)."""
+    (``--prefix-cache``), a round's rows generated in one batch (``--generation-batch`` 0)."""
     return AgentConfig(system_prompt=system_prompt, context=cfg.train_context, max_turns=cfg.max_turns,
-                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, prefix_cache=cfg.prefix_cache)
+                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, prefix_cache=cfg.prefix_cache,
+                       generation_batch=cfg.generation_batch)
 
 
 SECONDS = ("sec_rollout", "sec_reward", "sec_update")
@@ -289,7 +290,8 @@ def load_data(cfg: Config):
 
 def load_policy(cfg: Config, device: torch.device):
     """(model, tokenizer, system prompt, state, trainer): RUN/ckpt on ``--resume`` (``checkpoint.resume``),
-    else ``--model``, else the tiny embedded model; ``state`` = where the run starts (stage, step)."""
+    else ``--model``, else the tiny embedded model, its layers checkpointed with ``--gradient-checkpointing`` (every
+    recipe that loads its policy here); ``state`` = where the run starts (stage, step)."""
     start = cfg.stage if cfg.stage != "auto" else "sft" if cfg.sft_data or not cfg.model else "rl"
     state, ckpt = {"stage": start, "step": 0}, os.path.join(cfg.run, "ckpt")    # auto: --model skips SFT
     trainer = checkpoint.resume(cfg.run) if cfg.resume else None
@@ -317,6 +319,8 @@ def load_policy(cfg: Config, device: torch.device):
             prompt = f.read().strip()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if cfg.gradient_checkpointing:      # acts in train mode only: generation and no-grad scoring run as before
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     cfg.probe_think = resolve_probe_think(cfg, state["stage"], ckpt if trainer is not None else cfg.model)
     return model, tokenizer, prompt, state, trainer
 
