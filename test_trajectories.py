@@ -26,7 +26,7 @@ from memory import extract_mem
 from models import encode_chat, load_pretrained
 from reward import outcome_reward, score_answer, validate_format
 from rollout import PROTOCOL_PROMPT, STOP_STRINGS, checkpoint_prompt, parse_action
-from search import SearchTool, ovos_wiki_docs
+from search import SearchTool, make_server, ovos_wiki_docs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 C = trajectories.COMPOSED
@@ -127,6 +127,20 @@ def test_the_gold_teacher_keeps_the_questions_whose_answer_a_result_holds(wiki, 
         prompt = tok.decode(rows[-1].ids[:rows[-1].n_prompt])
         results = [" ".join(r.split()) for _, r in four["rounds"][:-1]]
         assert [r in " ".join(prompt.split()) for r in results] == (shown or [True] * len(results))
+
+
+def test_a_retrieval_server_gives_the_file_the_corpus_gives(wiki, gold_file, tmp_path, capsys):
+    """--search-url: the same BM25 behind search.py's /retrieve server, so the same episodes, byte for byte."""
+    _, qa, _, tool = wiki
+    server = make_server(tool, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/retrieve"
+        assert run(["--data", qa, "--search-url", url, "--out", tmp_path / "t.jsonl"], capsys) == "kept 4 of 6 (67%)"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (tmp_path / "t.jsonl").read_bytes() == gold_file.read_bytes()
 
 
 def test_a_passage_quoting_a_protocol_tag_breaks_no_rule_and_a_broken_gold_round_stops_the_run(monkeypatch):
