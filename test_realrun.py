@@ -1,8 +1,9 @@
 """README's "A real run", run as written: each command of its bash block, in order, on tiny real-format files.
 
 The block is read from README.md, not copied here, so a command that drifts from the code fails this test. Each
-command runs as the user would: a subprocess in a folder holding ``qa.jsonl``, ``test.jsonl``, ``wiki.jsonl`` and
-``trajectories.jsonl`` (the embedded world written by ``sft.export``, as ``python sft.py --export`` does). What
+command runs as the user would: a subprocess in a folder holding ``qa.jsonl``, ``test.jsonl`` and ``wiki.jsonl`` (the
+embedded world written by ``sft.export``, as ``python sft.py --export`` does); the first command writes
+``trajectories.jsonl`` from them. What
 changes: the model placeholders become a tiny random Qwen2 folder with a byte-level BPE tokenizer
 (``data.save_random_checkpoint``), ``$URL`` the address ``search.py serve`` prints, the LoRA line's ``...`` the RL
 line's data flags, and small sizes are APPENDED (argparse keeps the last value), so the README's words are all
@@ -25,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = ("/path/to/Qwen2.5-0.5B-Instruct", "M")           # the block's placeholders for a model
 # Small sizes appended to each command, by the script and its first word: a few steps, questions and tokens.
 SMALL = {
+    "trajectories": [],
     "index": [],
     "serve": ["--port", "0"],
     "train": ["--sft-steps", "2", "--sft-batch", "4", "--rl-steps", "1", "--questions", "2", "--group", "2",
@@ -65,9 +67,8 @@ def run(cmd: list[str], cwd: str, env: dict) -> subprocess.CompletedProcess:
 def workdir(tmp_path_factory):
     """The user's folder: the exported world as the README's file names, and a tiny model folder."""
     d = tmp_path_factory.mktemp("realrun")
-    qa, corpus, trajectories = sft.export(str(d / "export"), ks=(1,), n=4, episodes=8)
-    for src, name in ((qa, "qa.jsonl"), (qa, "test.jsonl"), (corpus, "wiki.jsonl"),
-                      (trajectories, "trajectories.jsonl")):
+    qa, corpus, _ = sft.export(str(d / "export"), ks=(1,), n=8, episodes=1)     # 8: the gold teacher keeps 2
+    for src, name in ((qa, "qa.jsonl"), (qa, "test.jsonl"), (corpus, "wiki.jsonl")):
         shutil.copy(src, d / name)
     model = data.save_random_checkpoint(str(d / "tiny-qwen2"))
     return d, model
@@ -78,8 +79,9 @@ def test_every_readme_command_of_a_real_run_runs(workdir):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     lines = readme_commands()
-    assert lines[0].split("#")[0].rstrip().endswith("&"), "the first line serves the index in the background"
-    server = None
+    assert lines[0].startswith("python trajectories.py"), "the first line writes the SFT trajectories"
+    assert lines[1].split("#")[0].rstrip().endswith("&"), "the second line serves the index in the background"
+    server, url = None, ""          # the first line needs no server
     try:
         seen = []
         for line in lines:
@@ -100,7 +102,10 @@ def test_every_readme_command_of_a_real_run_runs(workdir):
                 continue
             out = run(argv(words, url, model), d, env)
             seen.append(" ".join(words[1:3]))
-            if words[1] == "eval.py":
+            if words[1] == "trajectories.py":
+                assert out.stdout.strip() == "kept 2 of 8 (25%)"
+                assert len(data.load_trajectories(str(d / "trajectories.jsonl"))) == 2     # what the SFT line reads
+            elif words[1] == "eval.py":
                 result = json.loads(out.stdout.strip().splitlines()[-1])
                 assert result["search_failures"] == 0 and set(result["results"]) == {"1", "2", "4"}
                 assert result["context"] == "snail"
@@ -115,8 +120,8 @@ def test_every_readme_command_of_a_real_run_runs(workdir):
                 assert (d / "runs" / "rl" / "final" / "config.json").exists()
                 rows = [json.loads(x) for x in open(d / "runs" / "rl" / "metrics.jsonl")]
                 assert [r["search_failures"] for r in rows if r.get("stage") == "rl"] == [0]   # none failed
-        assert seen == ["serve", "train.py --run-dir", "train.py --run-dir", "eval.py --checkpoint",
-                        "train.py --model"], seen
+        assert seen == ["trajectories.py --data", "serve", "train.py --run-dir", "train.py --run-dir",
+                        "eval.py --checkpoint", "train.py --model"], seen
     finally:
         if server is not None:
             server.terminate()
