@@ -289,21 +289,29 @@ def test_the_same_resume_command_repeated_after_sigkills_at_random_instants_fini
     in its first steps (before any checkpoint), then at random instants of its steps, then left to finish: the
     uninterrupted run's weights, each metrics row once."""
     full, run = tmp_path / "full", tmp_path / "run"
+    inode = lambda path: path.stat().st_ino if path.exists() else None
+    p = subprocess.Popen([sys.executable, "train.py", "--run", str(full)] + LONGER, cwd=HERE, env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while p.poll() is None and not (full / "config.json").exists():
+        time.sleep(0.005)
     t0 = time.time()
-    subprocess.run([sys.executable, "train.py", "--run", str(full)] + LONGER, cwd=HERE, env=ENV,
-                   capture_output=True, timeout=300, check=True)
-    took = time.time() - t0                  # a kill drawn within the steps of a run this long, start-up included
+    assert p.wait(timeout=300) == 0
+    steps_sec = time.time() - t0             # the reference's 240 steps, start-up left out
     cmd = [sys.executable, "train.py", "--run", str(run), "--resume"] + LONGER
     rng = random.Random(0)
-    inode = lambda path: path.stat().st_ino if path.exists() else None
     for kill in range(3):
-        config = inode(run / "config.json")
+        # the steps this attempt has left: from the checkpoint it resumes, or all of them
+        marker = run / "ckpt" / checkpoint.COMPLETE
+        done = json.loads(marker.read_text())["state"]["step"] if marker.exists() else 0
+        before = run / "config.json"
+        config_inode = inode(before)
         p = subprocess.Popen(cmd, cwd=HERE, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120             # this attempt wrote its config.json: its steps begin
+        deadline = time.time() + 120
         while p.poll() is None and time.time() < deadline and (
-                inode(run / "config.json") in (None, config) or kill == 0 and not (run / "metrics.jsonl").exists()):
+                inode(before) in (None, config_inode) or kill == 0 and not (run / "metrics.jsonl").exists()):
             time.sleep(0.005)
-        time.sleep(0.0 if kill == 0 else rng.uniform(0.0, took / 4))
+        # a random instant within the first half of the steps left, at the reference's pace
+        time.sleep(0.0 if kill == 0 else rng.uniform(0.0, 0.5 * steps_sec * (240 - done) / 240))
         assert p.poll() is None, f"attempt {kill} ended before its kill: the kill tested nothing"
         p.send_signal(signal.SIGKILL)
         p.wait()

@@ -81,6 +81,7 @@ def tensor_mb(tensors) -> float:
 
 def measure(args) -> dict:
     import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     import rollout
     import sft
@@ -139,7 +140,7 @@ def measure(args) -> dict:
         state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         seen["adam_mb"] = max(seen["adam_mb"], tensor_mb(state))
 
-    hook = torch.optim.optimizer.register_optimizer_step_post_hook(adam_state)
+    hook = register_optimizer_step_post_hook(adam_state)
     files = os.path.join(args.work, "data")
     common = ["--run", run, "--model", os.path.join(args.work, "qwen05"), "--eval-every", "0",
               "--micro-tokens", str(args.micro_tokens), "--precision", args.precision]
@@ -150,7 +151,8 @@ def measure(args) -> dict:
                          "--rl-steps", "0", "--sft-batch", str(args.sft_batch), "--sft-full-share",
                          str(args.sft_full_share)]
     else:
-        argv = common + ["--data", os.path.join(files, "test_k1.jsonl"), "--corpus", os.path.join(files, "corpus_k1.jsonl"),
+        argv = common + ["--data", os.path.join(files, "test_k1.jsonl"),
+                         "--corpus", os.path.join(files, "corpus_k1.jsonl"),
                          "--rl-steps", str(args.steps), "--questions", "2", "--group", str(args.group),
                          "--max-turns", "2", "--max-new-tokens", "32", "--generation-batch", str(args.generation_batch),
                          "--no-log-kl", "--lr", "1e-4"]
