@@ -291,6 +291,8 @@ def main(argv=None) -> None:
     p.add_argument("--questions", type=int, default=16, help="questions a step")
     p.add_argument("--group", type=int, default=8, help="rollouts a question")
     p.add_argument("--rl-objectives", default="1-4", help="objective counts K of the steps' questions (train.py's)")
+    p.add_argument("--threshold", type=float, default=train.Config.threshold,
+                   help="the memory reward's confidence cut (train.py's --threshold; 0: no cut)")
     p.add_argument("--restore", type=int, default=0, help="answer rounds re-sampled per arm (0: no intervention)")
     p.add_argument("--json", default="", help="also write the JSON line here")
     a = p.parse_args(argv)
@@ -298,7 +300,7 @@ def main(argv=None) -> None:
     model, tokenizer, prompt = evaluation.load(a.checkpoint, device)
     think = checkpoint.trained_probe_think(evaluation.checkpoint_dir(a.checkpoint))
     cfg = train.Config(seed=a.seed, train_context=a.context, temperature=a.temperature, questions=a.questions,
-                       group=a.group, probe_think=think, rl_objectives=a.rl_objectives)
+                       group=a.group, probe_think=think, rl_objectives=a.rl_objectives, threshold=a.threshold)
     agent = train.agent_config(cfg, prompt)
     trajs, tasks, tools, t0 = [], [], [], time.time()
     for step in a.steps:
@@ -314,8 +316,8 @@ def main(argv=None) -> None:
                              think=cfg.probe_think)
     scores = [outcome_reward(t)["score"] for t in trajs]
     out = {"checkpoint": a.checkpoint, "seed": a.seed, "steps": a.steps, "context": a.context,
-           "temperature": a.temperature, "rl_objectives": a.rl_objectives} | variety(trajs, tasks, mem, scores) \
-        | silence(trajs, tasks, mem, scores)
+           "temperature": a.temperature, "rl_objectives": a.rl_objectives, "threshold": a.threshold} \
+        | variety(trajs, tasks, mem, scores) | silence(trajs, tasks, mem, scores)
     keys: list[str] = []
     if a.restore:
         gen = torch.Generator(device=model.device).manual_seed(a.seed)
