@@ -20,6 +20,10 @@ The weights, gradient and AdamW-state bytes are counted on the tensors themselve
 RL: rollout 0 of each question is forced to the right answer (conftest's ``ExpertTape``, as results/lora_rss.py
 does), so the update is not skipped; two steps, so that AdamW's state (allocated at the end of step 1) is live in
 the second backward.
+
+The rows (CONFIGS): SFT and RL steps with and without ``--gradient-checkpointing``, each also under
+``--precision bf16`` (the autocast the trainer runs on CUDA, here on the CPU); and RL rollouts of 2 questions x 8
+with ``--generation-batch`` 0 and 2, their updates skipped (``--rollout-only``: the rollout's peak alone).
 """
 import argparse
 import datetime
@@ -43,10 +47,15 @@ QWEN05 = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hi
 CONFIGS = [
     ("SFT", "sft", []),
     ("SFT + checkpointing", "sft", ["--gradient-checkpointing"]),
-    ("RL, group 4", "rl", []),
-    ("RL, group 4 + checkpointing", "rl", ["--gradient-checkpointing"]),
-    ("RL, group 8", "rl", ["--group", "8"]),
-    ("RL, group 8 + --generation-batch 2", "rl", ["--group", "8", "--generation-batch", "2"]),
+    ("SFT, bf16 autocast", "sft", ["--precision", "bf16"]),
+    ("SFT + checkpointing, bf16 autocast", "sft", ["--gradient-checkpointing", "--precision", "bf16"]),
+    ("RL", "rl", []),
+    ("RL + checkpointing", "rl", ["--gradient-checkpointing"]),
+    ("RL, bf16 autocast", "rl", ["--precision", "bf16"]),
+    ("RL + checkpointing, bf16 autocast", "rl", ["--gradient-checkpointing", "--precision", "bf16"]),
+    ("RL rollouts only, 2 x 8 rows", "rl", ["--questions", "2", "--group", "8", "--rollout-only"]),
+    ("RL rollouts only, 2 x 8 rows + --generation-batch 2", "rl",
+     ["--questions", "2", "--group", "8", "--rollout-only", "--generation-batch", "2"]),
 ]
 MB = 2 ** 20
 
@@ -63,15 +72,17 @@ class Phases:
     """Peak RSS (VmHWM) and seconds per phase; ``switch(name)`` closes the current phase and starts ``name``."""
 
     def __init__(self):
-        self.peak, self.start, self.sec = {}, {}, {}
-        self.current, self.t0 = "imports", time.time()
+        self.peak, self.runs, self.sec = {}, {}, {}       # runs: [RSS at its start, its peak] per occurrence
+        self.current, self.t0, self.rss0 = "imports", time.time(), round(status_mb("VmRSS"))
 
     def switch(self, name: str) -> None:
-        self.peak[self.current] = max(self.peak.get(self.current, 0.0), status_mb("VmHWM"))
+        hwm = status_mb("VmHWM")
+        self.peak[self.current] = max(self.peak.get(self.current, 0.0), hwm)
+        self.runs.setdefault(self.current, []).append([self.rss0, round(hwm)])
         self.sec[self.current] = self.sec.get(self.current, 0.0) + time.time() - self.t0
         with open("/proc/self/clear_refs", "w") as f:       # resets VmHWM (and ru_maxrss) to the current RSS
             f.write("5")
-        self.start.setdefault(name, []).append(round(status_mb("VmRSS")))
+        self.rss0 = round(status_mb("VmRSS"))
         self.current, self.t0 = name, time.time()
 
 
@@ -91,8 +102,9 @@ def measure(args) -> dict:
     torch.set_num_threads(1)
     ph = Phases()
     runtime_mb = status_mb("VmRSS")               # the interpreter, torch and transformers, before any model
-    run = os.path.join(args.work, "runs", f"{args.mode}_g{args.group}_gb{args.generation_batch}"
-                                          f"_ckpt{int(args.gradient_checkpointing)}_{args.precision}")
+    run = os.path.join(args.work, "runs", f"{args.mode}_q{args.questions}_g{args.group}_gb{args.generation_batch}"
+                                          f"_ckpt{int(args.gradient_checkpointing)}_{args.precision}"
+                                          f"{'_rollouts' if args.rollout_only else ''}")
     if os.path.exists(run):
         subprocess.run(["rm", "-rf", run], check=True)
     seen = {"model": None, "adam_mb": 0.0, "micro": [], "rows": []}
@@ -131,6 +143,8 @@ def measure(args) -> dict:
         return trajs
 
     def update(*a, **kw):
+        if args.rollout_only:
+            return {"skipped": "rollout only"}
         ph.switch("update")
         out = real["update"](*a, **kw)
         ph.switch("other")
@@ -153,7 +167,7 @@ def measure(args) -> dict:
     else:
         argv = common + ["--data", os.path.join(files, "test_k1.jsonl"),
                          "--corpus", os.path.join(files, "corpus_k1.jsonl"),
-                         "--rl-steps", str(args.steps), "--questions", "2", "--group", str(args.group),
+                         "--rl-steps", str(args.steps), "--questions", str(args.questions), "--group", str(args.group),
                          "--max-turns", "2", "--max-new-tokens", "32", "--generation-batch", str(args.generation_batch),
                          "--no-log-kl", "--lr", "1e-4"]
     t0 = time.time()
@@ -171,7 +185,7 @@ def measure(args) -> dict:
     out = {"mode": args.mode, "argv": "python train.py " + " ".join(argv), "seconds": round(seconds),
            "peak_mb": round(max(ph.peak.values())),
            "phase_peak_mb": {k: round(v) for k, v in ph.peak.items()},
-           "phase_start_mb": ph.start, "phase_sec": {k: round(v) for k, v in ph.sec.items()},
+           "phase_runs_mb": ph.runs, "phase_sec": {k: round(v) for k, v in ph.sec.items()},
            "runtime_mb": round(runtime_mb), "params": sum(p.numel() for p in params),
            "weights_mb": round(tensor_mb(params)),
            "grads_mb": round(tensor_mb([p.grad for p in params if p.grad is not None])),
@@ -234,36 +248,47 @@ def run_all(args) -> list[dict]:
 BEGIN, END = "<!-- gpu_memory.py: begin -->", "<!-- gpu_memory.py: end -->"
 
 
-def phase(r: dict) -> str:
+def where(r: dict) -> str:
+    """The peak of each phase (MB); a rollout's '+N': its own rise over the RSS it started from, in the last step."""
     p = r["phase_peak_mb"]
     if r["mode"] == "sft":
-        return f"steps {p['sft steps']}"
-    return f"rollout {p['rollout']}, update {p['update']}"
+        return f"SFT steps {p['sft steps']}"
+    start, peak = r["phase_runs_mb"]["rollout"][-1]
+    out = f"rollout {p['rollout']} (+{peak - start})"
+    return out + (f", update {p['update']}" if "update" in p else ", no update")
+
+
+def command(r: dict) -> str:
+    argv = r["argv"]
+    work = os.path.dirname(argv.split("--model ")[1].split()[0])
+    return argv.replace(work + "/runs/", "RUNS/").replace(work, "WORK")
 
 
 def block(results: list[dict]) -> str:
-    """The generated part of MEMORY.md: the table, the parts of the peak, the GPU arithmetic."""
+    """The generated part of MEMORY.md: what was measured, the table, the commands, the parts of each peak."""
     r0 = results[0]
-    lines = [BEGIN, "", f"Measured {r0['date']} on {r0['machine']} (`lscpu`), torch CPU, one thread, "
-             "`MALLOC_MMAP_THRESHOLD_=131072`, each row its own process. Seconds are wall time of `train.main` on a "
-             "machine shared with other jobs: they depend on the load, the RSS does not.", "",
-             "| configuration | flags of gpu_memory.py | peak RSS MB | phase peaks MB | micro-batches (padded tokens) "
-             "| seconds |", "|---|---|---|---|---|---|"]
+    lines = [BEGIN, "", f"Measured {r0['date']} on {r0['machine']} (`lscpu`'s model name), torch CPU, one thread, "
+             "`MALLOC_MMAP_THRESHOLD_=131072`, each row its own process; MB = 2^20 bytes. Seconds: wall time of "
+             "`train.main` on a machine shared with other jobs (they depend on the load; the RSS does not).", "",
+             "| configuration | flags of gpu_memory.py | peak RSS MB | phase peaks MB | micro-batches, padded tokens "
+             "(step 1; step 2) | seconds |", "|---|---|---|---|---|---|"]
     for r in results:
-        micro = "; ".join(",".join(str(t) for t in m) for m in r["micro_tokens"])
-        lines.append(f"| {r['name']} | `{r['flags'] or '(none)'}` | {r['peak_mb']} | {phase(r)} | {micro} "
+        micro = "; ".join(", ".join(str(t) for t in m) for m in r["micro_tokens"]) or "-"
+        lines.append(f"| {r['name']} | `{r['flags'] or '(none)'}` | {r['peak_mb']} | {where(r)} | {micro} "
                      f"| {r['seconds']} |")
-    lines += ["", "The command each row ran (`gpu_memory.py` calls `train.main` with it):", ""]
-    lines += [f"* {r['name']}: `{r['argv'].replace(os.path.dirname(r['argv'].split('--run ')[1].split()[0]), 'RUNS')}`"
-              for r in results]
-    lines += ["", "Parts of the peak (MB), counted on the tensors; activations = peak - runtime - weights - gradients "
-              "- AdamW state:", "",
+    lines += ["", "The `train.py` command of each row (`gpu_memory.py` runs `train.main` on it; WORK: the model "
+              "folder and the data, RUNS: a scratch folder):", ""]
+    lines += [f"* {r['name']}: `{command(r)}`" for r in results]
+    lines += ["", "The parts of each peak that trained (MB): the runtime is the RSS after imports, before the model; "
+              "weights, gradients and AdamW's state are counted on the tensors (fp32, "
+              f"{r0['params']:,} parameters); activations are the rest of the peak.", "",
               "| configuration | runtime | weights | gradients | AdamW state | activations (the rest) |",
               "|---|---|---|---|---|---|"]
     for r in results:
-        act = r["peak_mb"] - r["runtime_mb"] - r["weights_mb"] - r["grads_mb"] - r["adam_mb"]
-        lines.append(f"| {r['name']} | {r['runtime_mb']} | {r['weights_mb']} | {r['grads_mb']} | {r['adam_mb']} "
-                     f"| {act} |")
+        if r["grads_mb"]:
+            act = r["peak_mb"] - r["runtime_mb"] - r["weights_mb"] - r["grads_mb"] - r["adam_mb"]
+            lines.append(f"| {r['name']} | {r['runtime_mb']} | {r['weights_mb']} | {r['grads_mb']} | "
+                         f"{r['adam_mb']} | {act} |")
     lines += ["", END]
     return "\n".join(lines)
 
@@ -285,7 +310,9 @@ def main() -> None:
     p.add_argument("--mode", choices=("sft", "rl"), default="sft")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--generation-batch", type=int, default=0)
+    p.add_argument("--questions", type=int, default=1)
     p.add_argument("--group", type=int, default=4)
+    p.add_argument("--rollout-only", action="store_true", help="RL: skip every update (the rollout's peak alone)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--sft-batch", type=int, default=4)
     p.add_argument("--sft-full-share", type=float, default=1.0, help="1: rows in the full context, the longest")
