@@ -5,18 +5,22 @@
 
 The rule (one question a paragraph at most, written in Search-R1's fields ``question`` / ``golden_answers``):
 
-* **The span.** In the paragraph's sentences, in order, the first `` in `` followed by either a year (a 4-digit
+* **The span.** In the paragraph's sentences, in order, an `` in `` followed by either a year (a 4-digit
   number 1000-2029 standing alone: ``in 1964``) or a name (1-3 capitalised words after an optional ``the``:
   ``in Paris``, ``in the United States``). A name is kept only where its extent is plain: not a month or weekday,
   not followed by a fourth capitalised word, ``of``, ``de``, ``and`` or ``'s`` (``in the Republic of Ireland``
-  would cut ``Republic``), nor by a lower-case word that does not start a phrase (``in European history``: an
+  would cut ``Republic``) or a comma and a capitalised word (``in Paris, France``, ``in European, Asian``: a list
+  or a longer name), nor by a lower-case word that does not start a phrase (``in European history``: an
   adjective), at least 3 characters.
 * **The question.** The article title, then the sentence's words before the span (the last 14, from its last
   ``;`` on: ``;`` separates the objectives of a composed question), then ``___`` and what is asked:
   ``Action figure: "The term was coined by Hasbro in ___" - which year?``. A span whose words occur in the title
   or in those words is dropped: the question would hold its answer.
+* **Readable.** The answer's words occur as whole words of the sentence under EM's normalisation
+  (``trajectories.find_alias``, the gold teacher's own match: ``in 1610–1611`` is one word, no year).
 * **Findable.** BM25 (``search.SearchTool``, the retriever ``--corpus`` gives the run) with the question as the
-  query must return the paragraph in its top 3, the first search of ``trajectories.py --teacher gold``.
+  query must return the paragraph in its top 3, the first search of ``trajectories.py --teacher gold``; a
+  paragraph's first two candidates are put to it, the first found is its question.
 * **Held out by paragraph.** A paragraph is on the test side when the SHA-256 of its title falls in the first
   ``--test-share`` of the hash range, so train and test questions come from disjoint paragraphs (and a paragraph
   keeps its side in any corpus version that keeps its title).
@@ -38,14 +42,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import data  # noqa: E402
 from reward import TAG_RE, normalize_answer  # noqa: E402
 from search import SearchTool  # noqa: E402
+from trajectories import find_alias  # noqa: E402
 
 LEFT_WORDS = 14
 MONTHS = {"January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
           "November", "December", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"}
 SENTENCE_RE = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
-YEAR_RE = re.compile(r"\bin ((?:1\d|20)\d\d)(?![\w-])")
-CAP = r"[A-Z][A-Za-z'’.\-]*[A-Za-z]"
-NAME_RE = re.compile(rf"\bin (?:the )?({CAP}(?: {CAP}){{0,2}})(?=(?: (\S+))?)")
+YEAR_RE = re.compile(r"\bin ((?:1\d|20)\d\d)(?![\w\-–—])")
+WORD_RE = re.compile(r"[^\W\d_](?:[\w'’.\-]*[^\W\d_])?")     # letters of any script, inner ' . -
 UNCLEAR_AFTER = {"of", "de", "and"}
 # a lower-case word after a name ends its extent only where it starts a new phrase; any other (``in European
 # history``, ``in the Western world``) makes the capitalised words an adjective, not the answer
@@ -65,14 +69,21 @@ def spans(sentence: str) -> list[tuple[int, str, str]]:
     for m in YEAR_RE.finditer(sentence):
         if int(m.group(1)) <= 2029:
             out.append((m.start(1), m.group(1), "year"))
-    for m in NAME_RE.finditer(sentence):
-        name, after = m.group(1), m.group(2) or ""
-        words = name.split()
-        bare = after.strip(",.:()\"")
-        if (words[0] in MONTHS or len(name) < 3 or bare.lower() in UNCLEAR_AFTER or re.match(r"[A-Z]", after)
-                or name.endswith(("'s", "’s")) or (after[:1].islower() and bare not in PHRASE_STARTS)):
+    for m in re.finditer(r"\bin (?:the )?", sentence):
+        words, end = [], m.end()
+        while (w := WORD_RE.match(sentence, end)) and w.group()[0].isupper():      # the capitalised words
+            words.append(w.group())
+            end = w.end() + 1
+            if sentence[w.end():end] != " ":
+                break
+        name = " ".join(words)
+        after = sentence[end:].split(" ", 1)[0] if sentence[end - 1:end] == " " else ""
+        bare = after.strip(",.:;()\"")
+        listed = re.match(r", \S", sentence[end - 1:]) and sentence[end + 1:end + 2].isupper()   # "in X, Y": a list
+        if (listed or not words or len(words) > 3 or words[0] in MONTHS or len(name) < 3 or name.endswith(("'s", "’s"))
+                or bare.lower() in UNCLEAR_AFTER or (after[:1].islower() and bare not in PHRASE_STARTS)):
             continue
-        out.append((m.start(1), name.rstrip("."), "name"))
+        out.append((m.end(), name.rstrip("."), "name"))
     return sorted(out)
 
 
@@ -96,7 +107,7 @@ def questions_of(doc: dict) -> list[dict]:
     for sentence in SENTENCE_RE.split(" ".join(text.split())):
         for start, answer, kind in spans(sentence):
             q = cloze(title.strip(), sentence, start, answer, kind)
-            if q is not None:
+            if q is not None and find_alias([answer], sentence, 0) is not None:
                 out.append({"question": q, "golden_answers": [answer], "id": doc["id"]})
     return out
 
