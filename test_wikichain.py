@@ -38,11 +38,13 @@ def py(args: list[str], cwd) -> str:
 
 
 def jsonl(path) -> list[dict]:
+    """The rows of a JSONL file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
+    """A saved model folder's tensors by name."""
     return load_file(os.path.join(folder, "model.safetensors"))
 
 

@@ -50,6 +50,7 @@ class GpuPeak:
         self.smi = shutil.which("nvidia-smi")
 
     def poll(self) -> None:
+        """Sample the used memory every half second until the block ends."""
         while not self.stop.is_set():
             out = subprocess.run([self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
                                  capture_output=True, text=True)
@@ -102,6 +103,7 @@ def sft_tokens(work: str, sft_args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the chain at the chosen sizes, then print the stage table and the F1 / EM table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", default=os.environ.get("SMALL") == "1",
                    help="every size shrunk, on the CPU (also SMALL=1)")

@@ -141,6 +141,7 @@ def write(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Write the train and test QA files from the corpus."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", required=True, help="corpus JSONL (python search.py wiki-corpus wiki.jsonl)")
     p.add_argument("--train", required=True, help="output: training questions")

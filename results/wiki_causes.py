@@ -50,6 +50,7 @@ def causes(traj) -> dict:
 
 
 def main(argv=None) -> None:
+    """Play the checkpoints' episodes, print the per-K breakdown and the paired difference."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", nargs="+", required=True, help="one or two run / checkpoint folders (or smollm2)")
     p.add_argument("--data", required=True)
