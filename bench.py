@@ -56,6 +56,10 @@ the median of ``--repeats`` repeats, with the absolute numbers beside it:
 8. **search** (``search``): retrieval as the corpus grows and its share of one RL step, in ``bench_search.py``
    (``--search-only`` prints it alone).
 
+9. **against the machine's floor** (``sft_peak_share``, ``update_peak_share``, ``reward_peak_share``, in
+   ``bench_update.py``): default SFT steps of each stage and figure 5's phases as shares of the fp32 matmul rate
+   measured in the same run, the SFT's padding and tokens/s, and the default SFT's minutes they imply.
+
 A table on stdout, then ONE JSON line last. The agent loop needs a model that writes valid rounds:
 ``--checkpoint``, else ``runs/default/final``, else ``runs/bench_sft/final``, which the first run
 trains with ``config.SMALL_SFT_ARGS`` (the test suite's SFT recipe too; a few minutes; not counted in the
@@ -78,7 +82,8 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from bench_search import bench_search, print_search, search_sizes, search_summary, step_searches
-from bench_update import bench_padding, bench_processes, bench_train_step, print_update, step_seconds, sync
+from bench_update import (bench_padding, bench_processes, bench_sft, bench_train_step, floors, matmul_peak,
+                          print_update, step_seconds, sync)
 import config
 import data
 import models
@@ -405,12 +410,15 @@ def figures(args, device: torch.device, repeats: int) -> dict:
         pad = bench_padding(trajs, cfg)
         st = bench_train_step(model, tok, device, args.train_steps or (1 if args.quick else 2))   # before 4: peak RSS
         cx = bench_context(model, tok, device, repeats, args.quick)
+    peak = matmul_peak(device)
+    sf = bench_sft(model, tok, device, 2 if args.quick else 4, peak)
+    fl = floors(st, sf["n_params"], peak)
     procs = [int(x) for x in args.procs.split(",")]
     pr = bench_processes(model, tok, source, device, procs, args.proc_steps or (3 if args.quick else 4))
     se = bench_search(search_sizes(args), args.search_url)
     ss = step_searches(model, tok, device)
     return dict(dec=dec, ro=ro, ro_own=ro_own, sc=sc, pad=pad, st=st, cx=cx, pr=pr, procs=procs, n_new=n_new,
-                source=source, p_source=p_source, micro_tokens=cfg.micro_tokens, se=se, ss=ss)
+                source=source, p_source=p_source, micro_tokens=cfg.micro_tokens, se=se, ss=ss, sf=sf, fl=fl)
 
 
 # --model: figures 1-3 sized for a 135M model on one CPU thread (SmolLM2: ~4 minutes with the load; 1 repeat =
@@ -515,6 +523,25 @@ def print_table(f: dict, args, device: torch.device, repeats: int) -> None:
           f"<mem> keeps one entry per objective)   full {cx['full_ratio_64_vs_8']:.2f}")
     print_update(st, pad, pr, procs, micro, args.train_steps or (1 if args.quick else 2), device)
     print_search(f["se"], f["ss"], step_seconds(st))
+    print_floor(f["sf"], f["fl"], st, ro["sampled"]["speedup"])
+
+
+def print_floor(sf: dict, fl: dict, st: dict, rollout_speedup: float) -> None:
+    """Row 9: SFT and the RL step's phases against the fp32 matmul rate measured in the same run."""
+    print(f"9 against the floor: fp32 matmul {sf['peak_flops'] / 1e9:.1f} GFLOP/s (1024^3, this thread count), "
+          f"N = {sf['n_params'] / 1e6:.2f}M parameters")
+    for stage in ("copy", "expert"):
+        x = sf[stage]
+        print(f"  SFT {stage:6s} step {x['sec_step']:.3f} s  {x['real_tokens']:.0f} real / {x['padded_tokens']:.0f} "
+              f"padded tokens (padding {x['padding']:.3f})  {x['tok_s']:.0f} tok/s  6N x padded tok/s = "
+              f"{x['peak_share']:.2f} of the matmul rate")
+    print(f"  the default SFT at these step times: {sf['sft_sec'] / 60:.1f} min")
+    if fl:
+        sec_update = st.get("sec_update_forced", st["sec_update"])
+        print(f"  RL step: update {sec_update:.2f} s for {st['update_padded']:.0f} padded tokens: "
+              f"{fl['update_peak_share']:.2f} of the rate | memory reward {st['sec_reward']:.2f} s for "
+              f"{st['reward_tokens']:.0f} scored tokens: {fl['reward_peak_share']:.2f} | rollout "
+              f"{st['sec_rollout']:.2f} s: {rollout_speedup:.2f}x model.generate's loop (figure 2)")
 
 
 def summary(f: dict, args, device: torch.device, repeats: int, seconds: float) -> dict:
@@ -541,6 +568,11 @@ def summary(f: dict, args, device: torch.device, repeats: int, seconds: float) -
         "train_step": {k: r3(v) for k, v in st.items()}, "device": str(device), "model": f["source"],
         "step_sec_by_procs": {str(n): r3(x["sec_step"]) for n, x in pr.items()},
         "quick": args.quick, "repeats": repeats, "date": time.strftime("%Y-%m-%d"),
+        "sft_peak_share": {k: r3(f["sf"][k]["peak_share"]) for k in ("copy", "expert")},
+        "sft_padding": {k: r3(f["sf"][k]["padding"]) for k in ("copy", "expert")},
+        "sft_tok_s": {k: round(f["sf"][k]["tok_s"]) for k in ("copy", "expert")},
+        "sft_sec_default": round(f["sf"]["sft_sec"]), "matmul_gflops": round(f["sf"]["peak_flops"] / 1e9, 1),
+        **{k: r3(v) for k, v in f["fl"].items()},
         "seconds": round(seconds)} | search_summary(f["se"], f["ss"], step_seconds(st))
 
 

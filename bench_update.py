@@ -9,6 +9,14 @@ runs, where ``bench.py``'s figures 1-4 time the rollout engine and the reward pa
 6. **padding waste** (``padding_waste``): unsorted micro-batches vs ``grpo.micro_batches``, and at a quarter of
    the token budget.
 7. **processes** (``step_sec_by_procs``): seconds per RL step of ``torchrun --nproc_per_node N train.py``.
+9. **against the machine's floor** (``sft_peak_share``, ``update_peak_share``, ``reward_peak_share``): the fp32
+   matmul rate of this device and thread count (a 1024^3 matmul, FLOP/s), measured in the same run; default SFT
+   steps of each stage (copy rows, then expert + probe + mixes: ``sft.cold_start_rows``) timed through
+   ``sft.run_sft``: real and padded tokens a step, padding share, real tokens/s, and 6 N padded tokens / s as a
+   share of that rate (N: the model's parameters; attention's own products left out), with the default's
+   SFT seconds that implies (``--sft-copy-steps`` x copy + the rest x expert); and figure 5's step held against the
+   same floor: the update at 6 N x its padded tokens, the memory reward's pass at 2 N x the tokens it scores.
+   The rollout's floor is ``model.generate`` (figure 2).
 """
 from __future__ import annotations
 
@@ -21,11 +29,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import torch
 
 import data
 import grpo
+import reward
+import sft
 import rollout
 import train
 from rollout import AgentConfig
@@ -46,9 +57,28 @@ def bench_train_step(model, tok, device, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    rows = [train.rl_step(model, None, tok, opt, cfg, step, agent) for step in range(steps)]
+    rows = []
+    for step in range(steps):       # the tokens each phase computes, counted where the step hands them on
+        seen = {"update_tokens": 0, "reward_tokens": 0}
+        build, score = train.build_samples, reward.answer_logprobs
+
+        def counted_build(*a, **k):
+            samples = build(*a, **k)
+            seen["update_tokens"] += sum(len(x.ids) for x in samples)
+            return samples
+
+        def counted_score(m, contexts, answers, *a, **k):
+            seen["reward_tokens"] += sum(len(c) + len(x) for c, x in zip(contexts, answers))
+            return score(m, contexts, answers, *a, **k)
+
+        with mock.patch.object(train, "build_samples", counted_build), \
+                mock.patch.object(reward, "answer_logprobs", counted_score):
+            row = train.rl_step(model, None, tok, opt, cfg, step, agent)
+        # the update's forward runs on padded micro-batches: real / (1 - padding share) positions
+        rows.append(row | seen | {"update_padded": seen["update_tokens"] / (1 - row.get("padding_waste", 0.0))})
     med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)
-    out = {k: med(k) for k in ("sec_rollout", "sec_reward", "sec_update", "padding_waste")}
+    out = {k: med(k) for k in ("sec_rollout", "sec_reward", "sec_update", "padding_waste", "update_tokens",
+                               "update_padded", "reward_tokens")}
     out["skipped_updates"] = sum("skipped" in r for r in rows)       # e.g. every score tied: nothing to learn
     if out["skipped_updates"]:     # a random model ties every score: time the update on random +-1 advantages
         tasks, tool = train.rl_tasks(cfg, 0)
@@ -56,15 +86,63 @@ def bench_train_step(model, tok, device, steps: int) -> dict:
         adv = torch.tensor([(-1.0) ** i for i in range(len(trajs))])
         samples = train.build_samples(trajs, adv, {})
         t0 = time.perf_counter()
-        train.update(model, None, opt, samples, cfg, tok.pad_token_id)
+        row = train.update(model, None, opt, samples, cfg, tok.pad_token_id)
         sync(device)
         out["sec_update_forced"] = time.perf_counter() - t0
         out["update_rows"] = len(samples)
         out["update_tokens"] = sum(len(s.ids) for s in samples)
+        out["update_padded"] = out["update_tokens"] / (1 - row.get("padding_waste", 0.0))
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if device.type == "cuda":
         out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out
+
+
+def matmul_peak(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of an n^3 fp32 matmul on this device and thread count (median of ``repeats``): the floor's rate."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    secs = []
+    for _ in range(repeats + 1):               # the first is warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        secs.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(secs[1:])
+
+
+def bench_sft(model, tok, device, steps: int, peak: float) -> dict:
+    """Figure 9's SFT rows: ``steps`` default SFT steps (on a copy of the model) at the copy stage (from step 0)
+    and at the expert stage (from ``--sft-copy-steps``), through ``sft.run_sft`` as the cold start runs them."""
+    cfg = train.parse_args([])
+    n_params = sum(p.numel() for p in model.parameters())
+    out = {"n_params": n_params, "peak_flops": peak}
+    for stage, start in (("copy", 0), ("expert", cfg.sft_copy_steps)):
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+        rows = lambda step: sft.cold_start_rows(tok, cfg, step, data.SYSTEM_PROMPT)
+        real = padded = 0
+        for step in range(start, start + steps):
+            batches = sft.micro_batches(rows(step), cfg.micro_tokens)
+            real += sum(len(x.ids) for b in batches for x in b)
+            padded += sum(len(b) * max(len(x.ids) for x in b) for b in batches)
+        secs = []
+        sft.run_sft(m, opt, rows, range(start, start + steps), lambda step: cfg.sft_lr, cfg, tok.pad_token_id,
+                    lambda step, loss, gn, sec: secs.append(sec), desc=f"bench sft ({stage})")
+        sec = statistics.median(secs)
+        out[stage] = {"sec_step": sec, "real_tokens": real / steps, "padded_tokens": padded / steps,
+                      "padding": 1 - real / padded, "tok_s": real / steps / sec,
+                      "peak_share": 6 * n_params * padded / steps / sec / peak}
+    out["sft_sec"] = cfg.sft_copy_steps * out["copy"]["sec_step"] + \
+        (cfg.sft_steps - cfg.sft_copy_steps) * out["expert"]["sec_step"]
+    return out
+
+
+def floors(st: dict, n_params: int, peak: float) -> dict:
+    """Figure 5's phases against the floor: seconds at the matmul rate over seconds taken (1: at the floor)."""
+    sec_update = st.get("sec_update_forced", st["sec_update"])       # every update skipped: the forced one's
+    return {"update_peak_share": 6 * n_params * st["update_padded"] / peak / sec_update,
+            "reward_peak_share": 2 * n_params * st["reward_tokens"] / peak / max(st["sec_reward"], 1e-9)}
 
 
 def bench_padding(trajs, cfg: train.Config) -> dict:

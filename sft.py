@@ -430,28 +430,32 @@ def fill_batch(tokenizer, cfg, step: int, n: int, objectives: tuple[int, int],
     return out
 
 
+def cold_start_rows(tokenizer, cfg, step: int, system_prompt: str, episodes: list | None = None,
+                    trajectories: list[dict] | None = None) -> list[Sample]:
+    """The rows of SFT step ``step``: copy rows before ``--sft-copy-steps``, then expert + probe rows with the copy
+    and fill mixes (or ``--sft-data`` rows); ``episodes``: ``fixed_episodes`` where ``--sft-episodes`` is set."""
+    if trajectories is not None:
+        return file_batch(tokenizer, cfg, step, trajectories, system_prompt)
+    if step < cfg.sft_copy_steps:
+        return copy_batch(tokenizer, cfg, step, system_prompt)
+    rows = sft_batch(tokenizer, cfg, step, system_prompt, episodes)
+    ks = data.int_range(cfg.sft_copy_objectives)
+    if cfg.sft_copy_mix > 0:         # copy rows past the expert's K keep round 0 of longer questions trained
+        rows += copy_batch(tokenizer, cfg, step, system_prompt, round(cfg.sft_copy_mix * cfg.sft_batch),
+                           (ks[0], ks[-1]), cfg.sft_row_action)
+    if cfg.sft_fill_mix > 0:         # and fill rows a later round's update of that many entries
+        rows += fill_batch(tokenizer, cfg, step, round(cfg.sft_fill_mix * cfg.sft_batch), (ks[0], ks[-1]),
+                           system_prompt, cfg.sft_row_action)
+    return rows
+
+
 def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, ckpt: str,
                system_prompt: str = data.SYSTEM_PROMPT, trajectories: list[dict] | None = None) -> None:
     """MemPO's SFT stage from step ``start``: copy rows, then expert + probe rows (or ``--sft-data`` rows);
     a row of metrics every 50 steps (+ ``val_f1_k2`` every 500 with ``--eval-every``), a checkpoint every
     ``--sft-save-every``, and the result in ``RUN/sft``. ``cfg``: train.Config."""
     episodes = fixed_episodes(cfg) if cfg.sft_episodes > 0 and trajectories is None else None
-
-    def batch(step: int) -> list[Sample]:
-        if trajectories is not None:
-            return file_batch(tokenizer, cfg, step, trajectories, system_prompt)
-        if step < cfg.sft_copy_steps:
-            return copy_batch(tokenizer, cfg, step, system_prompt)
-        rows = sft_batch(tokenizer, cfg, step, system_prompt, episodes)
-        ks = data.int_range(cfg.sft_copy_objectives)
-        if cfg.sft_copy_mix > 0:         # copy rows past the expert's K keep round 0 of longer questions trained
-            rows += copy_batch(tokenizer, cfg, step, system_prompt, round(cfg.sft_copy_mix * cfg.sft_batch),
-                               (ks[0], ks[-1]), cfg.sft_row_action)
-        if cfg.sft_fill_mix > 0:         # and fill rows a later round's update of that many entries
-            rows += fill_batch(tokenizer, cfg, step, round(cfg.sft_fill_mix * cfg.sft_batch), (ks[0], ks[-1]),
-                               system_prompt, cfg.sft_row_action)
-        return rows
-
+    batch = lambda step: cold_start_rows(tokenizer, cfg, step, system_prompt, episodes, trajectories)
     lr = lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)
     state = lambda step: {"stage": "sft", "step": step, "precision": cfg.precision}
 
