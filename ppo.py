@@ -64,6 +64,7 @@ def ppo_update(model, ref_model, optimizer, samples: list[Sample], cfg, pad_id: 
                 logged["skipped"] = f"non-finite loss {total} or grad norm {grad_norm.item()}"
                 return logged | dict(zip(stats, dist.all_sum(list(stats.values()))))
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)        # the gradients are not held through the next rollout
             losses.append(total)
             norms.append(grad_norm.item())
         if losses:      # the last pass's mean over its optimizer steps

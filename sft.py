@@ -374,6 +374,7 @@ def run_sft(model, optimizer, batch, steps: range, lr, cfg, pad_id: int, on_step
         loss = dist.all_sum([loss])[0]
         gn = dist.grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)        # nor through a checkpoint's save or a validation pass
         on_step(step, loss, gn.item(), time.time() - t0)
 
 

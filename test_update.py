@@ -11,6 +11,7 @@ import torch
 import data
 import grpo
 import ppo
+import sft
 import train
 
 
@@ -321,3 +322,21 @@ def test_gradient_checkpointing_recomputes_each_layer_in_the_backward_and_gives_
     texts = {on: [[r.text for r in t.rounds] for t in rollout(m.eval(), tok, tasks, 2, SearchTool(world.docs), agent)]
              for on, m in models.items()}
     assert texts[True] == texts[False]
+
+
+@pytest.mark.parametrize("extra", [[], ["--ppo-epochs", "2"]])
+def test_no_gradient_is_held_after_an_update_step(extra):
+    """The gradients are freed at the optimizer step, not at the next update's start: the rollout between them
+    (its KV cache, on a card of weights + AdamW state) does not carry a copy of the weights' size."""
+    tok = data.build_tokenizer()
+    model = data.build_tiny_model(tok, hidden=32, layers=1, heads=2)
+    cfg = train.parse_args(extra)
+    before = [p.detach().clone() for p in model.parameters()]
+    m = train.update(model, None, torch.optim.AdamW(model.parameters(), lr=1e-3), hand_built_samples(), cfg,
+                     tok.pad_token_id)
+    assert "skipped" not in m and any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sft.run_sft(model, opt, lambda step: hand_built_samples(), range(1), lambda step: 1e-3, cfg, tok.pad_token_id,
+                lambda *a: None)
+    assert all(p.grad is None for p in model.parameters()) and opt.state

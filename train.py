@@ -208,6 +208,7 @@ def reinforce_update(model, optimizer, samples: list[Sample], cfg: Config, pad_i
         optimizer.zero_grad(set_to_none=True)
         return {"skipped": f"non-finite loss {total} or grad norm {grad_norm.item()}"}
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)        # the gradients are not held through the next rollout
     # entropy: the sampled tokens' mean -log p, at the sampling temperature an estimate of the policy's entropy
     return {"loss": total, "grad_norm": grad_norm.item(), "entropy": -sampled_logp / n_tokens,
             "padding_waste": padding_waste(micro)} | ({"kl": kl / n_tokens} if ref_model is not None else {})
