@@ -411,7 +411,7 @@ def figures(args, device: torch.device, repeats: int) -> dict:
         st = bench_train_step(model, tok, device, args.train_steps or (1 if args.quick else 2))   # before 4: peak RSS
         cx = bench_context(model, tok, device, repeats, args.quick)
     peak = matmul_peak(device)
-    sf = bench_sft(model, tok, device, 2 if args.quick else 4, peak)
+    sf = bench_sft(model, tok, device, 3 if args.quick else 6, peak)
     fl = floors(st, sf["n_params"], peak)
     procs = [int(x) for x in args.procs.split(",")]
     pr = bench_processes(model, tok, source, device, procs, args.proc_steps or (3 if args.quick else 4))

@@ -112,24 +112,30 @@ def matmul_peak(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
 
 
 def bench_sft(model, tok, device, steps: int, peak: float) -> dict:
-    """Figure 9's SFT rows: ``steps`` default SFT steps (on a copy of the model) at the copy stage (from step 0)
-    and at the expert stage (from ``--sft-copy-steps``), through ``sft.run_sft`` as the cold start runs them."""
+    """Figure 9's SFT rows: default SFT steps (on a copy of the model) of each stage, the copy rows (steps 0 to
+    ``--sft-copy-steps``) and the expert rows after them, through ``sft.run_sft`` as the cold start runs them. Rows
+    grow over the expert stage (its late steps carry ~15% more tokens), so the timed steps are ``steps`` spread
+    evenly over each stage, after one untimed warm-up step at its start."""
     cfg = train.parse_args([])
     n_params = sum(p.numel() for p in model.parameters())
     out = {"n_params": n_params, "peak_flops": peak}
-    for stage, start in (("copy", 0), ("expert", cfg.sft_copy_steps)):
+    rows = lambda step: sft.cold_start_rows(tok, cfg, step, data.SYSTEM_PROMPT)
+    for stage, lo, hi in (("copy", 0, cfg.sft_copy_steps), ("expert", cfg.sft_copy_steps, cfg.sft_steps)):
+        at = [lo + (hi - lo) * i // steps for i in range(steps)]
         m = copy.deepcopy(model)
         opt = torch.optim.AdamW(m.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-        rows = lambda step: sft.cold_start_rows(tok, cfg, step, data.SYSTEM_PROMPT)
         real = padded = 0
-        for step in range(start, start + steps):
+        for step in at:
             batches = sft.micro_batches(rows(step), cfg.micro_tokens)
             real += sum(len(x.ids) for b in batches for x in b)
             padded += sum(len(b) * max(len(x.ids) for x in b) for b in batches)
         secs = []
-        sft.run_sft(m, opt, rows, range(start, start + steps), lambda step: cfg.sft_lr, cfg, tok.pad_token_id,
-                    lambda step, loss, gn, sec: secs.append(sec), desc=f"bench sft ({stage})")
-        sec = statistics.median(secs)
+        sft.run_sft(m, opt, rows, range(lo, lo + 1), lambda s: cfg.sft_lr, cfg, tok.pad_token_id, lambda *a: None,
+                    desc="bench sft (warm-up)")
+        for step in at:
+            sft.run_sft(m, opt, rows, range(step, step + 1), lambda s: cfg.sft_lr, cfg, tok.pad_token_id,
+                        lambda s, loss, gn, sec: secs.append(sec), desc=f"bench sft ({stage})")
+        sec = statistics.mean(secs)
         out[stage] = {"sec_step": sec, "real_tokens": real / steps, "padded_tokens": padded / steps,
                       "padding": 1 - real / padded, "tok_s": real / steps / sec,
                       "peak_share": 6 * n_params * padded / steps / sec / peak}
