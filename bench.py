@@ -83,7 +83,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from bench_search import bench_search, print_search, search_sizes, search_summary, step_searches
 from bench_update import (bench_padding, bench_processes, bench_sft, bench_train_step, floors, matmul_peak,
-                          print_update, step_seconds, sync)
+                          print_floor, print_update, step_seconds, sync)
 import config
 import data
 import models
@@ -524,24 +524,6 @@ def print_table(f: dict, args, device: torch.device, repeats: int) -> None:
     print_update(st, pad, pr, procs, micro, args.train_steps or (1 if args.quick else 2), device)
     print_search(f["se"], f["ss"], step_seconds(st))
     print_floor(f["sf"], f["fl"], st, ro["sampled"]["speedup"])
-
-
-def print_floor(sf: dict, fl: dict, st: dict, rollout_speedup: float) -> None:
-    """Row 9: SFT and the RL step's phases against the fp32 matmul rate measured in the same run."""
-    print(f"9 against the floor: fp32 matmul {sf['peak_flops'] / 1e9:.1f} GFLOP/s (1024^3, this thread count), "
-          f"N = {sf['n_params'] / 1e6:.2f}M parameters")
-    for stage in ("copy", "expert"):
-        x = sf[stage]
-        print(f"  SFT {stage:6s} step {x['sec_step']:.3f} s  {x['real_tokens']:.0f} real / {x['padded_tokens']:.0f} "
-              f"padded tokens (padding {x['padding']:.3f})  {x['tok_s']:.0f} tok/s  6N x padded tok/s = "
-              f"{x['peak_share']:.2f} of the matmul rate")
-    print(f"  the default SFT at these step times: {sf['sft_sec'] / 60:.1f} min")
-    if fl:
-        sec_update = st.get("sec_update_forced", st["sec_update"])
-        print(f"  RL step: update {sec_update:.2f} s for {st['update_padded']:.0f} padded tokens: "
-              f"{fl['update_peak_share']:.2f} of the rate | memory reward {st['sec_reward']:.2f} s for "
-              f"{st['reward_tokens']:.0f} scored tokens: {fl['reward_peak_share']:.2f} | rollout "
-              f"{st['sec_rollout']:.2f} s: {rollout_speedup:.2f}x model.generate's loop (figure 2)")
 
 
 def summary(f: dict, args, device: torch.device, repeats: int, seconds: float) -> dict:

@@ -1,4 +1,4 @@
-"""Figures 5-7 of ``bench.py``, what one RL step costs beyond generation: the step split into its phases
+"""Figures 5-7 and 9 of ``bench.py``, what one RL step costs beyond generation: the step split into its phases
 (rollout / reward / update seconds and peak memory), the padding the update forward carries, and the step time of
 ``torchrun`` at several process counts. A file of its own because it times the training step and ``train.py``
 runs, where ``bench.py``'s figures 1-4 time the rollout engine and the reward pass against a reference.
@@ -218,3 +218,21 @@ def print_update(st: dict, pad: dict, pr: dict, procs: list[int], micro: int, st
           + "  ".join(f"N={n} {x['sec_step']:.2f} s ({pr[procs[0]]['sec_step'] / x['sec_step']:.2f}x)"
                       for n, x in pr.items())
           + ("  [CPU: a smoke test, the ranks share the cores]" if device.type == "cpu" else ""))
+
+
+def print_floor(sf: dict, fl: dict, st: dict, rollout_speedup: float) -> None:
+    """Row 9: SFT and the RL step's phases against the fp32 matmul rate measured in the same run."""
+    print(f"9 against the floor: fp32 matmul {sf['peak_flops'] / 1e9:.1f} GFLOP/s (1024^3, this thread count), "
+          f"N = {sf['n_params'] / 1e6:.2f}M parameters")
+    for stage in ("copy", "expert"):
+        x = sf[stage]
+        print(f"  SFT {stage:6s} step {x['sec_step']:.3f} s  {x['real_tokens']:.0f} real / {x['padded_tokens']:.0f} "
+              f"padded tokens (padding {x['padding']:.3f})  {x['tok_s']:.0f} tok/s  6N x padded tok/s = "
+              f"{x['peak_share']:.2f} of the matmul rate")
+    print(f"  the default SFT at these step times: {sf['sft_sec'] / 60:.1f} min")
+    if fl:
+        sec_update = st.get("sec_update_forced", st["sec_update"])
+        print(f"  RL step: update {sec_update:.2f} s for {st['update_padded']:.0f} padded tokens: "
+              f"{fl['update_peak_share']:.2f} of the rate | memory reward {st['sec_reward']:.2f} s for "
+              f"{st['reward_tokens']:.0f} scored tokens: {fl['reward_peak_share']:.2f} | rollout "
+              f"{st['sec_rollout']:.2f} s: {rollout_speedup:.2f}x model.generate's loop (figure 2)")
