@@ -230,9 +230,8 @@ def print_floor(sf: dict, fl: dict, st: dict, rollout_speedup: float) -> None:
               f"padded tokens (padding {x['padding']:.3f})  {x['tok_s']:.0f} tok/s  6N x padded tok/s = "
               f"{x['peak_share']:.2f} of the matmul rate")
     print(f"  the default SFT at these step times: {sf['sft_sec'] / 60:.1f} min")
-    if fl:
-        sec_update = st.get("sec_update_forced", st["sec_update"])
-        print(f"  RL step: update {sec_update:.2f} s for {st['update_padded']:.0f} padded tokens: "
-              f"{fl['update_peak_share']:.2f} of the rate | memory reward {st['sec_reward']:.2f} s for "
-              f"{st['reward_tokens']:.0f} scored tokens: {fl['reward_peak_share']:.2f} | rollout "
-              f"{st['sec_rollout']:.2f} s: {rollout_speedup:.2f}x model.generate's loop (figure 2)")
+    sec_update = st.get("sec_update_forced", st["sec_update"])
+    print(f"  RL step: update {sec_update:.2f} s for {st['update_padded']:.0f} padded tokens: "
+          f"{fl['update_peak_share']:.2f} of the rate | memory reward {st['sec_reward']:.2f} s for "
+          f"{st['reward_tokens']:.0f} scored tokens: {fl['reward_peak_share']:.2f} | rollout "
+          f"{st['sec_rollout']:.2f} s: {rollout_speedup:.2f}x model.generate's loop (figure 2)")

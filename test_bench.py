@@ -46,4 +46,3 @@ def test_the_floor_counts_the_tokens_each_phase_computes(sft_run, monkeypatch):
         assert len(done) > 2                              # more than one micro-batch a step: each one counted
         assert sf[stage]["padded_tokens"] * 2 == sum(p for p, _ in done)
         assert sf[stage]["real_tokens"] * 2 == sum(r for _, r in done) < sum(p for p, _ in done)
-    assert sf["n_params"] == sum(p.numel() for p in model.parameters())
