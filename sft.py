@@ -251,8 +251,8 @@ def sft_batch(tokenizer, cfg, step: int, system_prompt: str = data.SYSTEM_PROMPT
         world = data.make_world(rng.randrange(10**9))
         tool = SearchTool(world.docs)
     ks, hops = data.int_range(cfg.sft_objectives), data.int_range(cfg.hops)
-    # curriculum: one objective first (short contexts, where copying is learnt), all K by 40% of steps
-    ks = ks[: max(1, round(len(ks) * (step - cfg.sft_copy_steps) / (0.4 * cfg.sft_steps)))]
+    if cfg.sft_ramp > 0:     # curriculum: one objective first (short contexts, where copying is learnt)
+        ks = ks[: max(1, round(len(ks) * (step - cfg.sft_copy_steps) / (cfg.sft_ramp * cfg.sft_steps)))]
     pool = None if episodes is None else [e for e in episodes if len(e.task.golds) in ks] or episodes
     out: list[Sample] = []
     probes: list[Sample] = []
@@ -347,6 +347,17 @@ def sft_loss(model, batch: dict[str, torch.Tensor], n_tokens: float) -> torch.Te
 def cosine_lr(base: float, step: int, total: int, warmup: int) -> float:
     """Linear warm-up over ``warmup`` steps, then a cosine from ``base`` to 0 at step ``total``."""
     return base * (min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total)))
+
+
+def sft_lr(cfg, step: int) -> float:
+    """The cold start's learning rate at ``step``: one cosine over all steps at ``--sft-lr``, or with
+    ``--sft-copy-lr`` a constant rate through the copy warm-up and a cosine of the expert steps' own."""
+    copy = cfg.sft_copy_steps
+    if not cfg.sft_copy_lr:
+        return cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)
+    if step < copy:
+        return cfg.sft_copy_lr * min(1.0, (step + 1) / 100)
+    return cosine_lr(cfg.sft_lr, step - copy, cfg.sft_steps - copy, 100)
 
 
 def run_sft(model, optimizer, batch, steps: range, lr, cfg, pad_id: int, on_step, desc: str = "sft") -> None:
@@ -457,7 +468,7 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
     ``--sft-save-every``, and the result in ``RUN/sft``. ``cfg``: train.Config."""
     episodes = fixed_episodes(cfg) if cfg.sft_episodes > 0 and trajectories is None else None
     batch = lambda step: cold_start_rows(tokenizer, cfg, step, system_prompt, episodes, trajectories)
-    lr = lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)
+    lr = lambda step: sft_lr(cfg, step)
     state = lambda step: {"stage": "sft", "step": step, "precision": cfg.precision}
 
     def on_step(step: int, loss: float, gn: float, sec: float) -> None:
