@@ -145,9 +145,6 @@ class Config:
                                 "--seed, every step's expert and probe rows sampled from them (0 = a fresh world "
                                 "every step, unlimited); the copy warm-up, copy and fill rows stay unlimited", min=0)
     sft_lr: float = flag(1e-3, "SFT learning rate", above=0)
-    sft_copy_lr: float = flag(0.0, "learning rate of the copy warm-up, constant after 100 steps; the expert rows then "
-                                   "run a cosine of their own from --sft-lr (0 = one cosine over all SFT steps at "
-                                   "--sft-lr)", min=0)
     sft_ramp: float = flag(0.4, "share of --sft-steps after the warm-up over which SFT questions grow from K=1 to "
                                 "all of --sft-objectives (0 = all K from the first expert step)", min=0, max=1)
     sft_save_every: int = flag(500, "checkpoint every N SFT steps", min=1)

@@ -9,7 +9,7 @@ checkpoints). MemPO's cold start (``cold_start``) feeds it:
   ``<mem>`` entries (a tiny model learns to copy a name only after a long loss plateau, cheaper on short rows);
 * then ``sft_batch``: rounds of the scripted expert (``data.expert_episode``, with the BM25 tool's real
   results) on a world drawn for the step (or, with ``--sft-episodes N``, from N episodes drawn once:
-  ``fixed_episodes``), a few rounds per episode, the K curriculum, ``--forget-p`` of the
+  ``fixed_episodes``), a few rounds per episode, the K curriculum (``--sft-ramp``), ``--forget-p`` of the
   episodes with the forgetting flaw; plus probe rows (``probe_samples``, ``--sft-probe``): both contexts the
   memory reward scores -> the answers that context holds, after a ``<think> probe </think> <answer>``
   marker without loss (reward.py, choice 1); with ``--sft-copy-mix``, copy rows of ``--sft-copy-objectives``
@@ -349,17 +349,6 @@ def cosine_lr(base: float, step: int, total: int, warmup: int) -> float:
     return base * (min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total)))
 
 
-def sft_lr(cfg, step: int) -> float:
-    """The cold start's learning rate at ``step``: one cosine over all steps at ``--sft-lr``, or with
-    ``--sft-copy-lr`` a constant rate through the copy warm-up and a cosine of the expert steps' own."""
-    copy = cfg.sft_copy_steps
-    if not cfg.sft_copy_lr:
-        return cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)
-    if step < copy:
-        return cfg.sft_copy_lr * min(1.0, (step + 1) / 100)
-    return cosine_lr(cfg.sft_lr, step - copy, cfg.sft_steps - copy, 100)
-
-
 def run_sft(model, optimizer, batch, steps: range, lr, cfg, pad_id: int, on_step, desc: str = "sft") -> None:
     """Supervised steps ``steps``: ``batch(step)`` -> rows, ``lr(step)`` -> the step's learning rate, and
     ``on_step(step, loss, grad_norm, seconds)`` after each optimizer step. ``cfg`` gives ``micro_tokens``,
@@ -468,7 +457,7 @@ def cold_start(model, tokenizer, cfg, start: int, optimizer, metrics_path: str, 
     ``--sft-save-every``, and the result in ``RUN/sft``. ``cfg``: train.Config."""
     episodes = fixed_episodes(cfg) if cfg.sft_episodes > 0 and trajectories is None else None
     batch = lambda step: cold_start_rows(tokenizer, cfg, step, system_prompt, episodes, trajectories)
-    lr = lambda step: sft_lr(cfg, step)
+    lr = lambda step: cosine_lr(cfg.sft_lr, step, cfg.sft_steps, 100)
     state = lambda step: {"stage": "sft", "step": step, "precision": cfg.precision}
 
     def on_step(step: int, loss: float, gn: float, sec: float) -> None:

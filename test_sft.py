@@ -283,6 +283,12 @@ def test_sft_episodes_draws_every_expert_and_probe_row_from_n_episodes_fixed_by_
     assert by_k[1] and by_k[2]                         # the curriculum's first steps: the K = 1 episodes only
     for step in range(800, 820):
         assert {tuple(r.ids) for r in sft.sft_batch(tok, cfg, step, episodes=episodes)} <= by_k[1]
+    # --sft-ramp: K = 2 comes in at 800 + 0.75 x ramp x 2900 (ramp 0.1: step 1018, the default 0.4: step 1670)
+    rows_at = lambda c, steps: set().union(*({tuple(r.ids) for r in sft.sft_batch(tok, c, s, episodes=episodes)}
+                                             for s in steps))
+    assert rows_at(train.parse_args(args + ["--sft-ramp", "0"]), range(800, 820)) & by_k[2]
+    assert rows_at(train.parse_args(args + ["--sft-ramp", "0.1"]), range(1100, 1120)) & by_k[2]
+    assert rows_at(cfg, range(1100, 1120)) <= by_k[1]
     assert [r.ids for r in sft.sft_batch(tok, train.parse_args(args[2:]), 2000)] != \
         [r.ids for r in sft.sft_batch(tok, cfg, 2000, episodes=episodes)]
     # the cold start builds the set once and feeds it to every expert batch; its copy and fill rows are unlimited
