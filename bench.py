@@ -550,9 +550,9 @@ def summary(f: dict, args, device: torch.device, repeats: int, seconds: float) -
         "train_step": {k: r3(v) for k, v in st.items()}, "device": str(device), "model": f["source"],
         "step_sec_by_procs": {str(n): r3(x["sec_step"]) for n, x in pr.items()},
         "quick": args.quick, "repeats": repeats, "date": time.strftime("%Y-%m-%d"),
-        "sft_peak_share": {k: r3(f["sf"][k]["peak_share"]) for k in ("copy", "expert")},
-        "sft_padding": {k: r3(f["sf"][k]["padding"]) for k in ("copy", "expert")},
-        "sft_tok_s": {k: round(f["sf"][k]["tok_s"]) for k in ("copy", "expert")},
+        "sft_peak_share": {k: r3(f["sf"][k]["peak_share"]) for k in f["sf"]["stages"]},
+        "sft_padding": {k: r3(f["sf"][k]["padding"]) for k in f["sf"]["stages"]},
+        "sft_tok_s": {k: round(f["sf"][k]["tok_s"]) for k in f["sf"]["stages"]},
         "sft_sec_default": round(f["sf"]["sft_sec"]), "matmul_gflops": round(f["sf"]["peak_flops"] / 1e9, 1),
         **{k: r3(v) for k, v in f["fl"].items()},
         "seconds": round(seconds)} | search_summary(f["se"], f["ss"], step_seconds(st))

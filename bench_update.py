@@ -113,14 +113,17 @@ def matmul_peak(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
 
 def bench_sft(model, tok, device, steps: int, peak: float) -> dict:
     """Figure 9's SFT rows: default SFT steps (on a copy of the model) of each stage, the copy rows (steps 0 to
-    ``--sft-copy-steps``) and the expert rows after them, through ``sft.run_sft`` as the cold start runs them. Rows
+    ``--sft-copy-steps``, if any) and the expert rows after them, through ``sft.run_sft`` as the cold start runs them. Rows
     grow over the expert stage (its late steps carry ~15% more tokens), so the timed steps are ``steps`` spread
     evenly over each stage, after one untimed warm-up step at its start."""
     cfg = train.parse_args([])
     n_params = sum(p.numel() for p in model.parameters())
     out = {"n_params": n_params, "peak_flops": peak}
     rows = lambda step: sft.cold_start_rows(tok, cfg, step, data.SYSTEM_PROMPT)
-    for stage, lo, hi in (("copy", 0, cfg.sft_copy_steps), ("expert", cfg.sft_copy_steps, cfg.sft_steps)):
+    stages = [("copy", 0, cfg.sft_copy_steps)] if cfg.sft_copy_steps else []      # --sft-copy-steps 0: none
+    stages.append(("expert", cfg.sft_copy_steps, cfg.sft_steps))
+    out["stages"] = [name for name, _, _ in stages]
+    for stage, lo, hi in stages:
         at = [lo + (hi - lo) * i // steps for i in range(steps)]
         m = copy.deepcopy(model)
         opt = torch.optim.AdamW(m.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
@@ -139,8 +142,7 @@ def bench_sft(model, tok, device, steps: int, peak: float) -> dict:
         out[stage] = {"sec_step": sec, "real_tokens": real / steps, "padded_tokens": padded / steps,
                       "padding": 1 - real / padded, "tok_s": real / steps / sec,
                       "peak_share": 6 * n_params * padded / steps / sec / peak}
-    out["sft_sec"] = cfg.sft_copy_steps * out["copy"]["sec_step"] + \
-        (cfg.sft_steps - cfg.sft_copy_steps) * out["expert"]["sec_step"]
+    out["sft_sec"] = sum((hi - lo) * out[stage]["sec_step"] for stage, lo, hi in stages)
     return out
 
 
@@ -224,7 +226,7 @@ def print_floor(sf: dict, fl: dict, st: dict, rollout_speedup: float) -> None:
     """Row 9: SFT and the RL step's phases against the fp32 matmul rate measured in the same run."""
     print(f"9 against the floor: fp32 matmul {sf['peak_flops'] / 1e9:.1f} GFLOP/s (1024^3, this thread count), "
           f"N = {sf['n_params'] / 1e6:.2f}M parameters")
-    for stage in ("copy", "expert"):
+    for stage in sf["stages"]:
         x = sf[stage]
         print(f"  SFT {stage:6s} step {x['sec_step']:.3f} s  {x['real_tokens']:.0f} real / {x['padded_tokens']:.0f} "
               f"padded tokens (padding {x['padding']:.3f})  {x['tok_s']:.0f} tok/s  6N x padded tok/s = "
