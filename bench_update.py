@@ -113,9 +113,9 @@ def matmul_peak(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
 
 def bench_sft(model, tok, device, steps: int, peak: float) -> dict:
     """Figure 9's SFT rows: default SFT steps (on a copy of the model) of each stage, the copy rows (steps 0 to
-    ``--sft-copy-steps``, if any) and the expert rows after them, through ``sft.run_sft`` as the cold start runs them. Rows
-    grow over the expert stage (its late steps carry ~15% more tokens), so the timed steps are ``steps`` spread
-    evenly over each stage, after one untimed warm-up step at its start."""
+    ``--sft-copy-steps``, if any) and the expert rows after them, through ``sft.run_sft`` as the cold start runs
+    them. Rows grow over the expert stage (its late steps carry ~15% more tokens), so the timed steps are ``steps``
+    spread evenly over each stage, after one untimed warm-up step at its start."""
     cfg = train.parse_args([])
     n_params = sum(p.numel() for p in model.parameters())
     out = {"n_params": n_params, "peak_flops": peak}
