@@ -154,7 +154,7 @@ class Config:
                                  "a '<think> probe </think> <answer>' marker that carries no loss: both memory-reward "
                                  "probes in distribution (0 = none)", min=0, max=1)
     # warm-up steps on a pure copy task: after them the expert rows leave the copy plateau in 100-950 steps (3 seeds),
-    # without them in 600-750 (5 runs); one that leaves it itself (lr 3e-3) stalls them (results/STUDIES.md)
+    # without them in 600-750 (6 runs); one that leaves it itself (lr 3e-3) stalls them (results/STUDIES.md)
     sft_copy_steps: int = flag(800, "SFT warm-up steps that copy question entries into <mem> (teaches a tiny model "
                                     "to copy names)", min=0)
     # copy and fill rows of 1-6 entries, going on to the round's action, are what lets RL carry the agent past the
